@@ -1,0 +1,29 @@
+"""cpattn: Ray-distributed context-parallel attention over a sharded paged KV cache.
+
+Public API: ServiceConfig, start, connect (see README). Imports nothing heavy: Ray and the
+service load on first use of start/connect.
+"""
+
+from cpattn.config import ServiceConfig, load_config
+from cpattn.errors import (BackendUnavailableError, CapacityError, CpattnError, InvalidRequestError,
+                           ShardLostError)
+
+__version__ = "0.1.0"
+
+
+def start(config: ServiceConfig | None = None, **fields):
+    """Start a service (embedded local Ray unless config.ray_address) and return its client."""
+    from cpattn.client import start as _start
+
+    return _start(config if config is not None else ServiceConfig(**fields))
+
+
+def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0):
+    """Attach to a running service by the name of its coordinator actor."""
+    from cpattn.client import connect as _connect
+
+    return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s)
+
+
+__all__ = ["ServiceConfig", "load_config", "start", "connect", "CpattnError", "BackendUnavailableError",
+           "CapacityError", "InvalidRequestError", "ShardLostError", "__version__"]

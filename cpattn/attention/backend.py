@@ -1,0 +1,199 @@
+"""The backend layer: AttentionBackend (class factory + declarations), builder, impl.
+
+A backend is a class, not an instance: what it can serve does not depend on any layer or batch.
+``validate`` returns reasons instead of raising, so the selector can report every rejected
+backend and why. The builder plans once per step; the impl runs one layer with that plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from cpattn.attention.merge import LseBase
+from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.kvstore import MultipleOf
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+               torch.float64: "float64"}
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a step a backend can replay from a captured CUDA graph (higher = more)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+@dataclass(frozen=True)
+class AttentionSelectorConfig:
+    """Every factor that changes which backend is chosen; also the selector's cache key."""
+
+    head_size: int
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    device_type: str = "cpu"
+    device_capability: tuple[int, int] | None = None
+    needs_lse: bool = True
+    use_pcp: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a builder/impl pair is created for: one layer group's geometry on one device."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int            # kernel page size (after negotiation)
+    device: str = "cpu"
+
+    @property
+    def scale(self) -> float:
+        return self.head_size ** -0.5
+
+
+def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                   slot_mapping_T: torch.Tensor) -> None:
+    """Write new K/V into the paged cache at their slots; slots of -1 (other ranks' tokens) are skipped.
+
+    Runs before attention so the kernel reads a cache that already holds the step's tokens.
+    """
+    keep = slot_mapping_T >= 0
+    if not bool(keep.any()):
+        return
+    slots = slot_mapping_T[keep]
+    _, num_blocks, block_size, hk, d = kv_cache_2NBKD.shape
+    flat = kv_cache_2NBKD.view(2, num_blocks * block_size, hk, d)
+    flat[0].index_copy_(0, slots, k_TKD[keep].to(kv_cache_2NBKD.dtype))
+    flat[1].index_copy_(0, slots, v_TKD[keep].to(kv_cache_2NBKD.dtype))
+
+
+class AttentionMetadataBuilder:
+    """Turns CommonAttentionMetadata into the backend's plan; called once per step, reused by every layer."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> Any:
+        raise NotImplementedError
+
+
+class AttentionImpl:
+    """Runs one layer: write new K/V by slot mapping, then attention returning (out, lse)."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    def forward(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns out [T, Hq, D] (q's dtype) and lse [T, Hq] float32 in the backend's LSE base."""
+        raise NotImplementedError
+
+    def forward_new_tokens(self, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                           pieces_P3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention among a step's new tokens, straight from q/k/v (no cache).
+
+        ``pieces_P3`` rows are (q_start, q_end, k_start) in step token indices: queries
+        [q_start, q_end) attend causally to keys [k_start, q_end). Returns out [T, Hq, D] and lse
+        [T, Hq] in natural log, lse -inf on rows no piece covers. Backends with a faster ragged
+        kernel override this; the default is the torch reference.
+        """
+        from cpattn.attention.backends.torch_ref import ragged_causal_attention
+
+        return ragged_causal_attention(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale)
+
+
+class AttentionBackend:
+    """Declarations plus factories. Subclasses set the ClassVars and the two classes."""
+
+    name: ClassVar[str] = "ABSTRACT"
+    impl_cls: ClassVar[type[AttentionImpl]] = AttentionImpl
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
+    supported_dtypes: ClassVar[tuple[str, ...]] = ()
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None   # None: any multiple of 8 up to 256
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    min_capability: ClassVar[tuple[int, int] | None] = None
+    lse_base: ClassVar[LseBase] = LseBase.E
+    can_return_lse: ClassVar[bool] = True
+    supports_pcp: ClassVar[bool] = True
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.name
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        return cls.builder_cls
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """[2, num_blocks, block_size, Hk, D]: K and V lead so kernel-page views are plain reshapes."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def kernel_version(cls) -> str:
+        """Which kernel generation/package version would run (logged by the selector)."""
+        return cls.name
+
+    @classmethod
+    def availability(cls, config: AttentionSelectorConfig) -> list[str]:
+        """Reasons the backend cannot run here at all (missing package, device); [] when it can."""
+        return []
+
+    @classmethod
+    def validate(cls, config: AttentionSelectorConfig) -> list[str]:
+        """Every reason this backend cannot serve ``config``; empty when it can."""
+        reasons = []
+        if config.device_type not in cls.supported_devices:
+            reasons.append(f"device {config.device_type} not supported (supports {', '.join(cls.supported_devices)})")
+        if config.dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(cls.supported_dtypes)})")
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
+                           f"(supports {', '.join(cls.supported_kv_cache_dtypes)})")
+        sizes = cls.supported_head_sizes
+        if sizes is None:
+            if config.head_size % 8 or config.head_size > 256:
+                reasons.append(f"head_size {config.head_size} not supported (multiple of 8, at most 256)")
+        elif config.head_size not in sizes:
+            reasons.append(f"head_size {config.head_size} not supported (supports {list(sizes)})")
+        if config.num_q_heads % config.num_kv_heads:
+            reasons.append(f"num_q_heads {config.num_q_heads} not a multiple of num_kv_heads {config.num_kv_heads}")
+        kernel_sizes = cls.get_supported_kernel_block_sizes()
+        if not any(_divides_some(s, config.block_size) for s in kernel_sizes):
+            reasons.append(f"block_size {config.block_size} cannot be split into a kernel page size "
+                           f"it supports ({kernel_sizes})")
+        if config.needs_lse and not cls.can_return_lse:
+            reasons.append("cannot return the LSE that context-parallel merging needs")
+        if config.use_pcp and not cls.supports_pcp:
+            reasons.append("does not support prefill context parallelism")
+        if (cls.min_capability is not None and config.device_type == "cuda"
+                and config.device_capability is not None and config.device_capability < cls.min_capability):
+            reasons.append(f"compute capability {config.device_capability} below {cls.min_capability}")
+        return reasons + cls.availability(config)
+
+
+def _divides_some(spec: int | MultipleOf, block_size: int) -> bool:
+    if isinstance(spec, MultipleOf):
+        return any(block_size % k == 0 and spec.accepts(k) for k in range(1, block_size + 1))
+    return block_size % spec == 0

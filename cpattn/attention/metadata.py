@@ -1,0 +1,106 @@
+"""CommonAttentionMetadata: the facts of one step that every backend plans from.
+
+Legend: B requests, T tokens (sum of query lengths), W block-table width.
+Two modes share one structure:
+- causal=True  (single-rank attention): ``seq_lens`` include the step's new tokens; query j of a
+  request with context c sees keys [0, c + j].
+- causal=False (a DCP shard's context partial): ``seq_lens`` are the keys the shard held before
+  the step; every query sees all of them, so no mask and no per-query visibility is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from cpattn.errors import InvalidRequestError
+from cpattn.kvstore import (PAD_SLOT_ID, compute_slot_mapping, dcp_local_position, dcp_local_seq_lens,
+                            dcp_owner_rank)
+
+
+@dataclass
+class CommonAttentionMetadata:
+    query_start_loc: torch.Tensor
+    """(B + 1,) int64, device: start of each request in the flattened query; last = T."""
+    query_start_loc_cpu: torch.Tensor
+    """(B + 1,) int64, CPU copy for planning without a device sync."""
+    seq_lens: torch.Tensor
+    """(B,) int64, device: keys each request's queries may read from the paged cache."""
+    seq_lens_cpu: torch.Tensor
+    """(B,) int64, CPU copy."""
+    context_lens_cpu: torch.Tensor
+    """(B,) int64: keys readable before this step (seq_lens - query_lens when causal)."""
+    block_table_tensor: torch.Tensor
+    """(B, W) int64, device: physical page ids of each request, -1 beyond its pages."""
+    slot_mapping: torch.Tensor
+    """(T,) int64, device: cache slot each new token's K/V is written to; -1 = not written here."""
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    def to(self, device: torch.device | str) -> "CommonAttentionMetadata":
+        """Device copies of the device-side fields (CPU copies stay on the CPU)."""
+        return replace(self, query_start_loc=self.query_start_loc.to(device),
+                       seq_lens=self.seq_lens.to(device),
+                       block_table_tensor=self.block_table_tensor.to(device),
+                       slot_mapping=self.slot_mapping.to(device))
+
+
+def _query_start_loc(query_lens: torch.Tensor) -> torch.Tensor:
+    qsl = torch.zeros(query_lens.numel() + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(query_lens, 0)
+    return qsl
+
+
+def make_causal_metadata(query_lens: list[int], context_lens: list[int], block_table_BW: torch.Tensor,
+                         block_size: int) -> CommonAttentionMetadata:
+    """Single-rank metadata: new tokens at positions context .. context + query_len - 1 of each request."""
+    q = torch.as_tensor(query_lens, dtype=torch.int64)
+    c = torch.as_tensor(context_lens, dtype=torch.int64)
+    if q.numel() != c.numel() or block_table_BW.shape[0] != q.numel():
+        raise InvalidRequestError(
+            f"query_lens ({q.numel()}), context_lens ({c.numel()}) and block_table rows "
+            f"({block_table_BW.shape[0]}) must describe the same requests")
+    qsl = _query_start_loc(q)
+    seq_lens = c + q
+    req_of_tok = torch.repeat_interleave(torch.arange(q.numel()), q)
+    positions = torch.arange(int(qsl[-1])) - qsl[:-1].repeat_interleave(q) + c.repeat_interleave(q)
+    slots = compute_slot_mapping(block_table_BW, positions, req_of_tok, block_size)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+        context_lens_cpu=c.clone(), block_table_tensor=block_table_BW.to(torch.int64), slot_mapping=slots,
+        num_reqs=q.numel(), num_actual_tokens=int(qsl[-1]), max_query_len=int(q.max()) if q.numel() else 0,
+        max_seq_len=int(seq_lens.max()) if q.numel() else 0, causal=True)
+
+
+def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], local_block_table_BW: torch.Tensor,
+                              block_size: int, world_size: int, rank: int,
+                              interleave: int) -> CommonAttentionMetadata:
+    """One shard's metadata for a step: queries vs the local context it held before the step.
+
+    ``local_block_table_BW`` must already hold the pages for the new tokens this rank owns; their
+    slots are in ``slot_mapping`` (other ranks' tokens are -1), but ``seq_lens`` exclude them.
+    """
+    q = torch.as_tensor(query_lens, dtype=torch.int64)
+    c = torch.as_tensor(context_lens, dtype=torch.int64)
+    qsl = _query_start_loc(q)
+    local_ctx = dcp_local_seq_lens(c, world_size, rank, interleave)
+    positions = torch.arange(int(qsl[-1])) - qsl[:-1].repeat_interleave(q) + c.repeat_interleave(q)
+    owned = dcp_owner_rank(positions, world_size, interleave) == rank
+    local_pos = torch.where(owned, dcp_local_position(positions, world_size, interleave),
+                            torch.full_like(positions, PAD_SLOT_ID))
+    req_of_tok = torch.repeat_interleave(torch.arange(q.numel()), q)
+    slots = compute_slot_mapping(local_block_table_BW, local_pos, req_of_tok, block_size)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=local_ctx, seq_lens_cpu=local_ctx.clone(),
+        context_lens_cpu=local_ctx.clone(), block_table_tensor=local_block_table_BW.to(torch.int64),
+        slot_mapping=slots, num_reqs=q.numel(), num_actual_tokens=int(qsl[-1]),
+        max_query_len=int(q.max()) if q.numel() else 0,
+        max_seq_len=int(local_ctx.max()) if q.numel() else 0, causal=False)

@@ -1,0 +1,71 @@
+"""Registry of attention backends: built-ins by enum, plugins by ``register_backend``.
+
+Values are import paths so a backend module (and its GPU package) loads only when chosen.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+
+from cpattn.errors import BackendUnavailableError
+
+
+class AttentionBackendEnum(enum.Enum):
+    TORCH = "cpattn.attention.backends.torch_ref:TorchReferenceBackend"
+    FLASHINFER = "cpattn.attention.backends.flashinfer:FlashInferBackend"
+    FLASH_ATTN = "cpattn.attention.backends.flash_attn:FlashAttentionBackend"
+    TRITON = "cpattn.attention.backends.triton_attn:TritonAttentionBackend"
+
+
+# Platform priority for auto selection: the fastest valid backend first (see benchmarks/RESULTS.md).
+PRIORITY = {
+    "cuda": ["FLASHINFER", "TRITON", "FLASH_ATTN", "TORCH"],
+    "cpu": ["TORCH"],
+}
+
+_paths: dict[str, str] = {m.name: m.value for m in AttentionBackendEnum}
+_generation = 0   # bumped on every registration; part of the selector's cache key
+
+
+def register_backend(name: str | AttentionBackendEnum, class_path: str, *, priority: int | None = None,
+                     device_type: str = "cuda") -> None:
+    """Register (or override) a backend by import path ``module:Class``.
+
+    ``priority`` inserts the name into ``device_type``'s auto order at that index.
+    """
+    global _generation
+    key = name.name if isinstance(name, AttentionBackendEnum) else str(name).upper()
+    if ":" not in class_path:
+        raise ValueError(f"class_path {class_path!r} must look like 'package.module:ClassName'")
+    _paths[key] = class_path
+    if priority is not None:
+        order = PRIORITY.setdefault(device_type, [])
+        if key in order:
+            order.remove(key)
+        order.insert(priority, key)
+    _generation += 1
+
+
+def registry_generation() -> int:
+    return _generation
+
+
+def backend_names() -> list[str]:
+    return list(_paths)
+
+
+def load_backend_class(name: str):
+    """Import and return the backend class registered under ``name``."""
+    key = name.upper()
+    if key not in _paths:
+        raise BackendUnavailableError(
+            f"unknown attention backend {name!r}: use auto or one of {', '.join(_paths)}",
+            {name: ["not registered"]})
+    module_name, _, cls_name = _paths[key].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {key} could not be imported",
+                                      {key: [f"import of {module_name} failed: {exc}"]}) from exc
+    return getattr(module, cls_name)

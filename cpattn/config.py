@@ -1,0 +1,171 @@
+"""The configuration users write: ``ServiceConfig``, loadable from YAML, validated at construction.
+
+Every invalid value is rejected with the field, the value and the fix, e.g.
+``num_q_heads 12 is not a multiple of num_kv_heads 8: pick num_kv_heads dividing 12``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cpattn.errors import ConfigError
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+BACKENDS = ("auto", "TORCH", "FLASHINFER", "FLASH_ATTN", "TRITON")
+
+
+class ServiceConfig(BaseModel):
+    """One cpattn service: how many shards, the model's attention geometry, and how to run it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_shards: int = Field(4, ge=1, le=1024)
+    """Shard actors; each owns an interleaved share (DCP) of every sequence's KV cache."""
+    num_layers: int = Field(32, ge=1)
+    """Attention layers; each shard holds one paged KV tensor per layer."""
+    num_q_heads: int = Field(32, ge=1)
+    """Query heads (Hq)."""
+    num_kv_heads: int = Field(8, ge=1)
+    """KV heads (Hk); Hq must be a multiple of it (GQA/MQA)."""
+    head_size: int = Field(128, ge=1)
+    """Head dimension D; a multiple of 8 up to 256 (what the GPU kernels accept)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV page on each shard (the manager block size)."""
+    dtype: Literal["float16", "bfloat16", "float32", "float64"] = "bfloat16"
+    """Activation and KV dtype of q, k, v and the output."""
+    backend: str = "auto"
+    """Attention backend: auto, TORCH, FLASHINFER, FLASH_ATTN, TRITON or a registered plugin name."""
+    dcp_interleave: int = Field(1, ge=1)
+    """DCP interleave size I: tokens [k*I, (k+1)*I) live on shard k mod num_shards."""
+    num_blocks_per_shard: int | None = Field(None, ge=1)
+    """KV pages per shard; derived from kv_cache_bytes_per_shard when unset."""
+    kv_cache_bytes_per_shard: int = Field(256 * 2**20, ge=1)
+    """Memory budget of one shard's KV cache (all layers) when num_blocks_per_shard is unset."""
+    max_sequences: int = Field(4096, ge=1)
+    """Most live sequences the service holds at once."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where shards keep KV and compute: auto takes cuda when GPUs are assigned, else cpu."""
+    num_cpus_per_shard: float = Field(1.0, ge=0)
+    """Ray CPU resources reserved per shard bundle."""
+    num_gpus_per_shard: float = Field(0.0, ge=0)
+    """Ray GPU resources per shard (0.25 lets four shards share one GPU)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement group strategy for the shard bundles (SPREAD for multi-node)."""
+    data_plane: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend for per-layer tensors: auto = nccl across GPUs, gloo otherwise."""
+    pcp_enabled: bool = True
+    """Split the causal part of long prefills across shards (prefill context parallelism)."""
+    pcp_min_tokens: int = Field(2048, ge=1)
+    """A request with at least this many new tokens in a step is split across shards."""
+    nan_policy: Literal["reject", "allow"] = "reject"
+    """reject: NaN/inf in q, k or v raises InvalidRequestError (they would poison the cache)."""
+    kv_replicas: int = Field(1, ge=1, le=2)
+    """Copies of every token's KV; 2 keeps a replica on another shard so a lost shard is refilled."""
+    name: str = Field("cpattn", min_length=1)
+    """Name of the coordinator actor; connect(name=...) finds the service by it."""
+    namespace: str = Field("cpattn", min_length=1)
+    """Ray namespace of the named coordinator."""
+    detached: bool = False
+    """Keep the service alive after the starting process exits (cpattn serve)."""
+    ray_address: str | None = None
+    """Ray cluster to join (e.g. 'auto' or 'ray://host:10001'); None starts a local embedded Ray."""
+    rpc_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of every blocking Ray call."""
+    collective_timeout_s: float = Field(120.0, gt=0)
+    """Timeout of data-plane collectives; a hung shard surfaces as an error after this."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Time allowed for shards to be placed and start."""
+    health_check_interval_s: float = Field(1.0, gt=0)
+    """How often the coordinator checks that shards are alive (replica failover)."""
+    max_tokens_per_client: int | None = Field(None, ge=1)
+    """Optional quota: tokens of KV a single client may hold across its sequences."""
+
+    def __init__(self, **data: Any):
+        # Raise our own ConfigError (a ValueError too) so callers catch one hierarchy.
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+    @model_validator(mode="after")
+    def _check_geometry(self) -> "ServiceConfig":
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
+                f"pick num_kv_heads dividing {self.num_q_heads} (GQA groups must be equal)")
+        if self.head_size % 8 or self.head_size > 256:
+            raise ValueError(
+                f"head_size {self.head_size} must be a multiple of 8 and at most 256: use e.g. 64, 128 or 256")
+        if self.block_size % self.dcp_interleave:
+            raise ValueError(
+                f"block_size {self.block_size} is not a multiple of dcp_interleave {self.dcp_interleave}: "
+                f"use a dcp_interleave dividing {self.block_size} (1 or {self.block_size})")
+        if self.backend != "auto" and not self.backend.replace("_", "").isalnum():
+            raise ValueError(f"backend {self.backend!r} is not a backend name: use one of {', '.join(BACKENDS)}")
+        if self.kv_replicas > self.num_shards:
+            raise ValueError(
+                f"kv_replicas {self.kv_replicas} needs at least as many shards, num_shards is {self.num_shards}: "
+                "raise num_shards or set kv_replicas 1")
+        return self
+
+    # Derived values -------------------------------------------------------------------------------
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def bytes_per_block(self) -> int:
+        """Bytes of one KV page across all layers (K and V)."""
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+
+    def blocks_per_shard(self) -> int:
+        if self.num_blocks_per_shard is not None:
+            return self.num_blocks_per_shard
+        return max(1, self.kv_cache_bytes_per_shard // self.bytes_per_block())
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.num_gpus_per_shard > 0 else "cpu"
+
+    def resolved_data_plane(self) -> str:
+        if self.data_plane != "auto":
+            return self.data_plane
+        # Two ranks on one GPU hang in NCCL; only whole-GPU shards use it.
+        return "nccl" if self.resolved_device() == "cuda" and self.num_gpus_per_shard >= 1 else "gloo"
+
+
+def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
+    """Load a ServiceConfig from YAML; keyword overrides (e.g. CLI flags) win over file values."""
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of ServiceConfig fields, got {type(data).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServiceConfig(**data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err.get("loc", ())) or "config"
+        msg = err.get("msg", "").removeprefix("Value error, ")
+        value = err.get("input")
+        if err.get("type") == "extra_forbidden":
+            valid = ", ".join(ServiceConfig.model_fields)
+            parts.append(f"unknown field {field!r}: valid fields are {valid}")
+        elif isinstance(value, dict):
+            parts.append(msg)
+        else:
+            parts.append(f"{field}={value!r}: {msg}")
+    return "; ".join(parts)
