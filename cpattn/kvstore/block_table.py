@@ -2,6 +2,8 @@
 
 Rows are reused after a request frees them; clearing the whole row on free is what keeps a
 reused row from showing the previous request's pages (a known silent-corruption class).
+The tensor grows by doubling up to ``max_rows x max_blocks_per_row``, so a table sized for a
+million-token sequence costs memory only when such a sequence exists.
 """
 
 from __future__ import annotations
@@ -12,24 +14,37 @@ PAD_BLOCK_ID = -1
 
 
 class BlockTable:
-    """``rows_RW`` int64 [max_rows, max_blocks_per_row]; row r holds ``num_blocks[r]`` valid ids."""
+    """``rows_RW`` int64 [rows, width]; row r holds ``num_blocks[r]`` valid ids, then padding."""
 
     def __init__(self, max_rows: int, max_blocks_per_row: int):
-        self.rows_RW = torch.full((max_rows, max_blocks_per_row), PAD_BLOCK_ID, dtype=torch.int64)
+        if max_rows < 1 or max_blocks_per_row < 1:
+            raise ValueError(f"block table needs max_rows >= 1 and max_blocks_per_row >= 1, "
+                             f"got {max_rows} x {max_blocks_per_row}")
+        self.max_rows = max_rows
+        self.max_blocks_per_row = max_blocks_per_row
+        self.rows_RW = torch.full((min(max_rows, 16), min(max_blocks_per_row, 64)), PAD_BLOCK_ID, dtype=torch.int64)
         self.num_blocks = [0] * max_rows
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
-    @property
-    def max_blocks_per_row(self) -> int:
-        return self.rows_RW.shape[1]
+    def _grow(self, rows: int, width: int) -> None:
+        old_r, old_w = self.rows_RW.shape
+        if rows <= old_r and width <= old_w:
+            return
+        new_r = min(self.max_rows, max(rows, 2 * old_r if rows > old_r else old_r))
+        new_w = min(self.max_blocks_per_row, max(width, 2 * old_w if width > old_w else old_w))
+        grown = torch.full((new_r, new_w), PAD_BLOCK_ID, dtype=torch.int64)
+        grown[:old_r, :old_w] = self.rows_RW
+        self.rows_RW = grown
 
     def can_add_row(self) -> bool:
         return bool(self._free_rows)
 
     def add_row(self) -> int:
         if not self._free_rows:
-            raise ValueError(f"block table full: all {self.rows_RW.shape[0]} rows in use")
-        return self._free_rows.pop()
+            raise ValueError(f"block table full: all {self.max_rows} rows in use")
+        row = self._free_rows.pop()
+        self._grow(row + 1, 1)
+        return row
 
     def can_append(self, row: int, num_new: int) -> bool:
         return self.num_blocks[row] + num_new <= self.max_blocks_per_row
@@ -39,15 +54,20 @@ class BlockTable:
         if not self.can_append(row, len(blocks)):
             raise ValueError(
                 f"row {row} holds {n} blocks; {len(blocks)} more exceed the width {self.max_blocks_per_row}")
+        if not blocks:
+            return
+        self._grow(row + 1, n + len(blocks))
         self.rows_RW[row, n:n + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         self.num_blocks[row] = n + len(blocks)
 
     def truncate(self, row: int, num_blocks: int) -> list[int]:
         """Keep the first ``num_blocks`` ids of the row; return (and clear) the dropped ones."""
         n = self.num_blocks[row]
+        if num_blocks >= n:
+            return []
         dropped = self.rows_RW[row, num_blocks:n].tolist()
         self.rows_RW[row, num_blocks:n] = PAD_BLOCK_ID
-        self.num_blocks[row] = min(n, num_blocks)
+        self.num_blocks[row] = num_blocks
         return dropped
 
     def remove_row(self, row: int) -> list[int]:
@@ -63,6 +83,8 @@ class BlockTable:
         """Block table of a batch: [B, width] int64, padding ``PAD_BLOCK_ID``."""
         width = width if width is not None else max([self.num_blocks[r] for r in rows], default=0)
         width = max(width, 1)
-        if not rows:
-            return torch.full((0, width), PAD_BLOCK_ID, dtype=torch.int64)
-        return self.rows_RW[torch.tensor(rows, dtype=torch.int64), :width].clone()
+        out = torch.full((len(rows), width), PAD_BLOCK_ID, dtype=torch.int64)
+        if rows:
+            w = min(width, self.rows_RW.shape[1])
+            out[:, :w] = self.rows_RW[torch.tensor(rows, dtype=torch.int64), :w]
+        return out
