@@ -1,0 +1,303 @@
+"""The public face: ``start``, ``connect``, ``Service`` and ``Step``.
+
+The client process is the data-plane gateway (rank 0 of its own group with the shards): per
+layer it validates q/k/v, broadcasts them, gathers each shard's partial (out, natural-log LSE)
+and merges them. Everything per step (validation, allocation, planning) goes through the
+coordinator once; nothing per layer goes through Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+import torch
+
+from cpattn.attention.merge import LseBase, merge_attn_states
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
+from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
+from cpattn.config import ServiceConfig
+from cpattn.errors import CpattnError, InvalidRequestError, ServiceError, ShardLostError
+
+logger = logging.getLogger("cpattn")
+
+
+def _call(ref, timeout_s: float, what: str):
+    """ray.get with a timeout; our own errors come back as themselves, Ray's as ServiceError."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, CpattnError):
+            raise cause from None
+        raise ServiceError(f"{what} failed: {exc}") from exc
+    except ray.exceptions.GetTimeoutError:
+        raise ServiceError(f"{what} did not answer within {timeout_s}s (rpc_timeout_s): is the service overloaded "
+                           "or hung? check `cpattn status`") from None
+    except ray.exceptions.RayActorError as exc:
+        raise ServiceError(f"{what}: the coordinator is gone ({type(exc).__name__}); restart the service") from exc
+
+
+def start(config: ServiceConfig) -> "Service":
+    """Start a service (a local embedded Ray instance unless ``config.ray_address``) and return its client."""
+    started_ray = ensure_ray(config.ray_address, config.namespace,
+                             num_cpus_hint=config.num_shards * config.num_cpus_per_shard)
+    try:
+        coordinator = launch_coordinator(config)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    try:
+        return Service(coordinator, config, owns_service=True, owns_ray=started_ray)
+    except BaseException:
+        stop_coordinator(coordinator, config.rpc_timeout_s)
+        if started_ray:
+            ray.shutdown()
+        raise
+
+
+def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,
+            timeout_s: float = 60.0) -> "Service":
+    """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto')."""
+    started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
+    coordinator = find_coordinator(name, namespace)
+    described = _call(coordinator.describe.remote(), timeout_s, "coordinator.describe")
+    config = ServiceConfig(**described["config"])
+    return Service(coordinator, config, owns_service=False, owns_ray=started_ray)
+
+
+class Service:
+    """A client of one cpattn service. Not thread-safe: one open step at a time per client."""
+
+    def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool):
+        self.config = config
+        self._coordinator = coordinator
+        self._owns_service = owns_service
+        self._owns_ray = owns_ray
+        self._step: Step | None = None
+        self._closed = False
+        self.last_step_timings: dict[str, float] = {}
+        timeout = config.rpc_timeout_s
+        self.client_id: str = _call(coordinator.register_client.remote(), timeout, "register_client")
+        described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
+        self.shard_infos: list[dict] = described["shards"]
+        self._shards = _call(coordinator.get_shards.remote(), timeout, "get_shards")
+        self._plane = self._join_data_plane()
+
+    def _join_data_plane(self) -> DataPlane:
+        cfg = self.config
+        world = cfg.num_shards + 1
+        backend = cfg.resolved_data_plane()
+        host = ray.util.get_node_ip_address()
+        store = make_store(host, 0, world, True, cfg.collective_timeout_s)
+        joins = [h.join_group.remote(self.client_id, host, store.port, rank + 1, world, backend)
+                 for rank, h in enumerate(self._shards)]
+        group = create_group(store, self.client_id, 0, world, backend, cfg.collective_timeout_s)
+        _call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
+        self._store = store   # the store must outlive the group
+        return DataPlane(group, 0, world, backend)
+
+    # Sequences ------------------------------------------------------------------------------------
+    def add_sequence(self) -> str:
+        self._check_open()
+        return _call(self._coordinator.add_sequence.remote(self.client_id), self.config.rpc_timeout_s, "add_sequence")
+
+    def free(self, seq_id: str) -> None:
+        self._check_open()
+        _call(self._coordinator.free.remote(self.client_id, seq_id), self.config.rpc_timeout_s, "free")
+
+    def sequences(self) -> dict[str, int]:
+        """This client's sequences and their lengths."""
+        return _call(self._coordinator.list_sequences.remote(self.client_id), self.config.rpc_timeout_s,
+                     "list_sequences")
+
+    def sequence_length(self, seq_id: str) -> int:
+        return _call(self._coordinator.sequence_length.remote(seq_id), self.config.rpc_timeout_s, "sequence_length")
+
+    # Steps ----------------------------------------------------------------------------------------
+    def step(self, request: dict[str, int]) -> "Step":
+        """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""
+        self._check_open()
+        if self._step is not None:
+            raise InvalidRequestError("a step is already open on this client: finish it before starting another "
+                                      "(use a second client for concurrent steps)")
+        return Step(self, dict(request) if isinstance(request, dict) else request)
+
+    # Introspection and lifecycle -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return _call(self._coordinator.stats.remote(), self.config.rpc_timeout_s, "stats")
+
+    def info(self) -> dict[str, Any]:
+        return _call(self._coordinator.describe.remote(), self.config.rpc_timeout_s, "describe")
+
+    def close(self) -> None:
+        """Leave the service running; drop this client's data-plane group."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._shards:
+            try:
+                h.leave_group.remote(self.client_id)
+            except Exception:
+                pass
+        try:
+            self._coordinator.unregister_client.remote(self.client_id)
+        except Exception:
+            pass
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+        if self._owns_ray and not self._owns_service:
+            ray.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the whole service (shards, placement group, coordinator); leaves nothing running."""
+        was_closed = self._closed
+        self._closed = True
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+        stop_coordinator(self._coordinator, self.config.rpc_timeout_s)
+        if self._owns_ray and ray.is_initialized() and not was_closed:
+            ray.shutdown()
+
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owns_service:
+            self.shutdown()
+        else:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidRequestError("this client was closed or shut down: connect again with cpattn.connect()")
+
+
+class Step:
+    """One step of a set of sequences; commits when every layer was attended, else rolls back."""
+
+    def __init__(self, service: Service, request: dict[str, int]):
+        self._svc = service
+        self._request = request
+        self._info: dict | None = None
+        self._attended: set[int] = set()
+        self._state = "new"   # new -> open -> committed | rolled_back
+        self.timings = {"plan_s": 0.0, "data_plane_s": 0.0, "attention_s": 0.0, "merge_s": 0.0}
+
+    @property
+    def num_tokens(self) -> int:
+        return self._info["num_tokens"] if self._info else sum(self._request.values())
+
+    @property
+    def seq_ids(self) -> list[str]:
+        return list(self._info["seq_ids"]) if self._info else list(self._request)
+
+    def __enter__(self) -> "Step":
+        if self._state != "new":
+            raise InvalidRequestError(f"this step is {self._state}: start a new one with svc.step(...)")
+        svc = self._svc
+        if svc._step is not None:
+            raise InvalidRequestError("a step is already open on this client: steps cannot nest")
+        self._info = _call(svc._coordinator.begin_step.remote(svc.client_id, svc.client_id, self._request),
+                           svc.config.rpc_timeout_s, "begin_step")
+        self.timings["plan_s"] = self._info["plan_s"]
+        self._state = "open"
+        svc._step = self
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of this step's tokens for one layer: q [T, Hq, D], k/v [T, Hk, D] -> out [T, Hq, D]."""
+        if self._state != "open":
+            raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
+                                      "use it inside `with svc.step(...) as step:`")
+        self._validate(layer, q, k, v)
+        cfg = self._svc.config
+        plane = self._svc._plane
+        t, hq, hk, d = self.num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
+        try:
+            t0 = time.perf_counter()
+            plane.send_header(CMD_ATTEND, layer, self._info["step_id"], t)
+            plane.broadcast(torch.cat([q, k, v], dim=1))
+            wire_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+            parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=q.device))
+            t1 = time.perf_counter()
+        except Exception as exc:
+            self._fail(f"data plane: {type(exc).__name__}: {exc}")
+            raise AssertionError("unreachable")   # _fail always raises
+        partials = torch.stack(parts[1:]).to(q.device)
+        out, _ = _merge(partials[..., :d], partials[..., d], q.device)
+        self.timings["data_plane_s"] += t1 - t0
+        self.timings["merge_s"] += time.perf_counter() - t1
+        self._attended.add(layer)
+        return out.to(q.dtype)
+
+    def _validate(self, layer, q, k, v) -> None:
+        cfg = self._svc.config
+        t, hq, hk, d = self.num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cfg.num_layers:
+            raise InvalidRequestError(f"layer {layer!r} out of range: use an int in 0..{cfg.num_layers - 1}")
+        if layer in self._attended:
+            raise InvalidRequestError(f"layer {layer} was already attended in this step: each layer once per step")
+        for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
+            if not isinstance(x, torch.Tensor):
+                raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if tuple(x.shape) != (t, heads, d):
+                raise InvalidRequestError(f"{name} has shape {tuple(x.shape)}, expected {(t, heads, d)} "
+                                          f"(T = {t} new tokens in this step, heads, head_size)")
+            if x.dtype != cfg.torch_dtype:
+                raise InvalidRequestError(f"{name} has dtype {x.dtype}, the service runs {cfg.dtype}: "
+                                          f"convert with .to(torch.{cfg.dtype})")
+            if x.device != q.device:
+                raise InvalidRequestError(f"{name} is on {x.device} but q is on {q.device}: put q, k, v on one device")
+            if cfg.nan_policy == "reject" and not bool(torch.isfinite(x).all()):
+                raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
+                                          "(set nan_policy='allow' to accept them)")
+
+    def _fail(self, why: str) -> None:
+        """A data-plane failure: roll back through the coordinator, which names a lost shard if any."""
+        svc = self._svc
+        self._state = "rolled_back"
+        svc._step = None
+        _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
+              svc.config.rpc_timeout_s + 15, "end_step")
+        raise ServiceError(f"step {self._info['step_id']} rolled back: {why}")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._state != "open":
+            return
+        svc = self._svc
+        commit = exc_type is None and len(self._attended) == svc.config.num_layers
+        try:
+            svc._plane.send_header(CMD_COMMIT if commit else CMD_ABORT, -1, self._info["step_id"], self.num_tokens)
+        except Exception as wire_exc:
+            if exc_type is None:
+                self._fail(f"data plane: {type(wire_exc).__name__}: {wire_exc}")
+            self._state = "rolled_back"
+            svc._step = None
+            return
+        self._state = "committed" if commit else "rolled_back"
+        svc._step = None
+        report = _call(svc._coordinator.end_step.remote(self._info["step_id"], commit, None),
+                       svc.config.rpc_timeout_s + 15, "end_step")
+        self.timings["plan_s"] = report["plan_s"]
+        self.timings["attention_s"] = report["attention_s"]
+        svc.last_step_timings = dict(self.timings)
+
+
+def _merge(outs_NTHD: torch.Tensor, lses_NTH: torch.Tensor, device: torch.device):
+    if device.type == "cuda":
+        try:
+            from cpattn.attention.merge_triton import merge_partials
+
+            return merge_partials(outs_NTHD, lses_NTH, LseBase.E)
+        except ImportError:
+            pass
+    return merge_attn_states(outs_NTHD, lses_NTH, LseBase.E)
+
+
+__all__ = ["Service", "Step", "start", "connect", "ShardLostError"]

@@ -1,0 +1,81 @@
+"""Starting and finding the service on Ray: the named coordinator actor and its shards."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from cpattn.cluster.coordinator import Coordinator
+from cpattn.config import ServiceConfig
+from cpattn.errors import ServiceError
+
+logger = logging.getLogger("cpattn")
+
+COORDINATOR_MAX_CONCURRENCY = 64
+
+
+def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) -> bool:
+    """Join ``address`` or start an embedded local Ray; returns True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        # Logical CPUs: enough for every shard bundle even on a 2-core machine; shards mostly wait on data.
+        num_cpus = max(os.cpu_count() or 1, int(num_cpus_hint) + 2)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace, logging_level=logging.WARNING,
+                 configure_logging=True, log_to_driver=True)
+    else:
+        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+    return True
+
+
+def launch_coordinator(config: ServiceConfig):
+    """Create the named coordinator and start its shards; cleans up everything if any part fails."""
+    try:
+        existing = ray.get_actor(config.name, namespace=config.namespace)
+    except ValueError:
+        existing = None
+    if existing is not None:
+        raise ServiceError(f"a service named {config.name!r} already runs in namespace {config.namespace!r}: "
+                           f"attach with cpattn.connect(name={config.name!r}) or stop it with `cpattn stop`")
+    options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
+               "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
+    if config.detached:
+        options["lifetime"] = "detached"
+    coordinator = ray.remote(Coordinator).options(**options).remote(config)
+    try:
+        ray.get(coordinator.start.remote(), timeout=config.start_timeout_s + 30)
+    except BaseException as exc:
+        try:
+            ray.get(coordinator.shutdown.remote(), timeout=config.rpc_timeout_s)
+        except Exception:
+            pass
+        ray.kill(coordinator, no_restart=True)
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            raise exc.as_instanceof_cause() from None
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise ServiceError(f"service {config.name!r} did not start within {config.start_timeout_s}s: "
+                               "check the cluster's free resources (ray status)") from None
+        raise
+    return coordinator
+
+
+def find_coordinator(name: str, namespace: str):
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ServiceError(f"no cpattn service named {name!r} in namespace {namespace!r}: start one with "
+                           "cpattn.start(...) or `cpattn serve`, or pass the right name/namespace") from None
+
+
+def stop_coordinator(coordinator, timeout_s: float) -> None:
+    """Stop shards, remove the placement group, then the coordinator itself."""
+    try:
+        ray.get(coordinator.shutdown.remote(), timeout=timeout_s)
+    except Exception as exc:   # already dead or hung: still kill it below
+        logger.warning("coordinator shutdown call failed (%s); killing it", exc)
+    try:
+        ray.kill(coordinator, no_restart=True)
+    except Exception:
+        pass

@@ -1,0 +1,157 @@
+"""Shard worker: owns one shard of every layer's paged KV and runs the attention backend on it.
+
+A plain class; ``ray.remote`` is applied where the group is created, so it is testable without Ray.
+Per step it receives one ShardStepPlan (metadata planned once, reused by every layer), then
+serves layers from its data-plane group until the gateway says commit or abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
+from cpattn.cluster.step_planner import ShardStepPlan
+from cpattn.config import ServiceConfig
+from cpattn.errors import CpattnError
+from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
+
+logger = logging.getLogger("cpattn.shard")
+
+
+class ShardWorker:
+    def __init__(self, config: ServiceConfig, bundle_index: int):
+        self.config = config
+        self.bundle_index = bundle_index
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)   # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU
+            self.device = torch.device("cuda", 0)
+        else:
+            torch.set_num_threads(max(1, int(config.num_cpus_per_shard)))
+        self.dtype = config.torch_dtype
+        self.backend = get_attn_backend(
+            config.backend, head_size=config.head_size, dtype=self.dtype, block_size=config.block_size,
+            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device)
+        self.kernel_block_size = select_common_kernel_block_size(
+            config.block_size, [self.backend.get_supported_kernel_block_sizes()])
+        spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
+                             self.kernel_block_size, str(self.device))
+        self.builder = self.backend.get_builder_cls()(spec)
+        self.impl = self.backend.get_impl_cls()(spec)
+        self.num_blocks = config.blocks_per_shard()
+        shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
+                                                config.head_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self._groups: dict[str, DataPlane] = {}
+        self._lock = threading.Lock()
+        self._hang = False
+        logger.info("shard %d: backend %s (%s), %d blocks of %d tokens, kernel pages of %d, device %s",
+                    bundle_index, self.backend.get_name(), self.backend.kernel_version(), self.num_blocks,
+                    config.block_size, self.kernel_block_size, self.device)
+
+    # Introspection --------------------------------------------------------------------------------
+    def info(self) -> dict:
+        gpu_ids: tuple[str, ...] = ()
+        node_id = socket.gethostname()
+        node_ip = "127.0.0.1"
+        try:
+            import ray
+
+            ctx = ray.get_runtime_context()
+            node_id = ctx.get_node_id()
+            node_ip = ray.util.get_node_ip_address()
+            gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+        except Exception:   # plain-class use in unit tests: no Ray worker context
+            pass
+        return {"bundle_index": self.bundle_index, "node_id": node_id, "node_ip": node_ip, "gpu_ids": gpu_ids,
+                "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
+                "kernel_version": self.backend.kernel_version(), "lse_base": self.backend.lse_base.name,
+                "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size,
+                "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
+
+    def ping(self) -> bool:
+        return not self._hang
+
+    def simulate_hang(self, hang: bool = True) -> None:
+        """Test hook: stop answering pings and data-plane traffic, as a wedged process would."""
+        self._hang = hang
+
+    def kv_checksum(self) -> float:
+        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks."""
+        return float(sum(t.double().abs().sum() for t in self.kv_caches))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, t in enumerate(self.kv_caches):
+            t[:, idx] = data[layer].to(self.device, self.dtype)
+
+    # Data plane -----------------------------------------------------------------------------------
+    def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:
+        store = make_store(host, port, world_size, False, self.config.collective_timeout_s)
+        group = create_group(store, group_name, rank, world_size, backend, self.config.collective_timeout_s)
+        with self._lock:
+            self._groups[group_name] = DataPlane(group, rank, world_size, backend)
+        return True
+
+    def leave_group(self, group_name: str) -> None:
+        with self._lock:
+            plane = self._groups.pop(group_name, None)
+        if plane is not None:
+            plane.close()
+
+    def run_step(self, group_name: str, plan: ShardStepPlan) -> dict:
+        """Serve every layer of one step from the group; returns timings (seconds) and how it ended."""
+        plane = self._groups.get(group_name)
+        if plane is None:
+            raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
+        t0 = time.perf_counter()
+        md = plan.metadata
+        if self.kernel_block_size != self.config.block_size:
+            md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
+                                                       self.kernel_block_size)
+            # Slots are token addresses, identical under both page sizes.
+        attn_md = self.builder.build(0, md.to(self.device))
+        pieces = plan.causal_pieces
+        timings = {"plan_s": time.perf_counter() - t0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0}
+        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
+        wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        t = plan.num_tokens
+        while True:
+            while self._hang:
+                time.sleep(0.05)
+            command, layer, step_id, num_tokens = plane.recv_header()
+            if command in (CMD_COMMIT, CMD_ABORT):
+                timings["outcome"] = "commit" if command == CMD_COMMIT else "abort"
+                return timings
+            if command != CMD_ATTEND or step_id != plan.step_id or num_tokens != t:
+                raise CpattnError(f"shard {self.bundle_index}: unexpected header {(command, layer, step_id, num_tokens)} "
+                                  f"in step {plan.step_id} of {t} tokens")
+            w0 = time.perf_counter()
+            qkv = plane.broadcast(torch.empty(t, hq + 2 * hk, d, dtype=self.dtype, device=self.device))
+            a0 = time.perf_counter()
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+            kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
+            out, lse = self.impl.forward(layer, q, k, v, kv_cache, attn_md)
+            lse = to_natural_lse(lse.to(wire_dtype), self.backend.lse_base)
+            if pieces.numel():
+                new_out, new_lse = self.impl.forward_new_tokens(q, k, v, pieces)
+                out, lse = merge_attn_states(torch.stack([out.to(wire_dtype), new_out.to(wire_dtype)]),
+                                             torch.stack([lse, new_lse.to(wire_dtype)]))
+            partial = torch.cat([out.to(wire_dtype), lse.to(wire_dtype)[..., None]], dim=-1)
+            a1 = time.perf_counter()
+            plane.gather(partial)
+            timings["attention_s"] += a1 - a0
+            timings["wire_s"] += (a0 - w0) + (time.perf_counter() - a1)
+            timings["layers"] += 1

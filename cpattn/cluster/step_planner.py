@@ -1,0 +1,49 @@
+"""Per-rank plans of one step, built once by the coordinator and sent once to each shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.attention.metadata import CommonAttentionMetadata, make_dcp_context_metadata
+from cpattn.attention.pcp import plan_causal_pieces
+from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+
+
+@dataclass
+class ShardStepPlan:
+    """Everything a shard needs for one step; small CPU tensors, pickled once per step."""
+
+    step_id: int
+    num_tokens: int
+    metadata: CommonAttentionMetadata
+    """Queries vs the shard's context before the step; slot_mapping writes the tokens it owns."""
+    causal_pieces: torch.Tensor
+    """[P, 3] (q_start, q_end, k_start): this shard's share of the causal part among new tokens."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One sequence in a step: its rows on each shard, tokens held before, tokens added."""
+
+    rows: tuple[int, ...]
+    context_len: int
+    num_new: int
+
+
+def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
+              pcp_enabled: bool, pcp_min_tokens: int) -> list[ShardStepPlan]:
+    """One ShardStepPlan per rank; pages for the new tokens must already be allocated."""
+    n = allocator.num_shards
+    query_lens = [r.num_new for r in requests]
+    context_lens = [r.context_len for r in requests]
+    pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled)
+    plans = []
+    for rank in range(n):
+        table = allocator.tables[rank].gather([r.rows[rank] for r in requests])
+        md = make_dcp_context_metadata(query_lens, context_lens, table, allocator.block_size, n, rank,
+                                       allocator.interleave)
+        plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
+                                   causal_pieces=pieces[rank]))
+    return plans
