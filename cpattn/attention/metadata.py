@@ -53,6 +53,15 @@ class CommonAttentionMetadata:
                        slot_mapping=self.slot_mapping.to(device))
 
 
+def _check_lens(query_lens: torch.Tensor, context_lens: torch.Tensor) -> None:
+    if query_lens.numel() != context_lens.numel():
+        raise InvalidRequestError(f"query_lens ({query_lens.numel()}) and context_lens ({context_lens.numel()}) "
+                                  "must describe the same requests")
+    for name, lens in (("query_lens", query_lens), ("context_lens", context_lens)):
+        if bool((lens < 0).any()):
+            raise InvalidRequestError(f"{name} must be >= 0, got {lens.tolist()}")
+
+
 def _query_start_loc(query_lens: torch.Tensor) -> torch.Tensor:
     qsl = torch.zeros(query_lens.numel() + 1, dtype=torch.int64)
     qsl[1:] = torch.cumsum(query_lens, 0)
@@ -64,6 +73,7 @@ def make_causal_metadata(query_lens: list[int], context_lens: list[int], block_t
     """Single-rank metadata: new tokens at positions context .. context + query_len - 1 of each request."""
     q = torch.as_tensor(query_lens, dtype=torch.int64)
     c = torch.as_tensor(context_lens, dtype=torch.int64)
+    _check_lens(q, c)
     if q.numel() != c.numel() or block_table_BW.shape[0] != q.numel():
         raise InvalidRequestError(
             f"query_lens ({q.numel()}), context_lens ({c.numel()}) and block_table rows "
@@ -90,6 +100,10 @@ def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], lo
     """
     q = torch.as_tensor(query_lens, dtype=torch.int64)
     c = torch.as_tensor(context_lens, dtype=torch.int64)
+    _check_lens(q, c)
+    if local_block_table_BW.shape[0] != q.numel():
+        raise InvalidRequestError(f"local block table has {local_block_table_BW.shape[0]} rows for "
+                                  f"{q.numel()} requests")
     qsl = _query_start_loc(q)
     local_ctx = dcp_local_seq_lens(c, world_size, rank, interleave)
     positions = torch.arange(int(qsl[-1])) - qsl[:-1].repeat_interleave(q) + c.repeat_interleave(q)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import importlib
 
-from cpattn.errors import BackendUnavailableError
+from cpattn.errors import BackendUnavailableError, ConfigError
 
 
 class AttentionBackendEnum(enum.Enum):
@@ -37,7 +37,7 @@ def register_backend(name: str | AttentionBackendEnum, class_path: str, *, prior
     global _generation
     key = name.name if isinstance(name, AttentionBackendEnum) else str(name).upper()
     if ":" not in class_path:
-        raise ValueError(f"class_path {class_path!r} must look like 'package.module:ClassName'")
+        raise ConfigError(f"class_path {class_path!r} must look like 'package.module:ClassName'")
     _paths[key] = class_path
     if priority is not None:
         order = PRIORITY.setdefault(device_type, [])

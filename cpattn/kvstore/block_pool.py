@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from cpattn.errors import CapacityError, CpattnError
+from cpattn.errors import CapacityError, CpattnError, InvalidRequestError
 
 
 class BlockPool:
@@ -16,7 +16,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, shard: int | None = None):
         if num_blocks < 1:
-            raise ValueError(f"num_blocks {num_blocks} must be >= 1")
+            raise InvalidRequestError(f"num_blocks {num_blocks} must be >= 1")
         self.num_blocks = num_blocks
         self.shard = shard
         self._free: deque[int] = deque(range(num_blocks))
@@ -36,7 +36,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` free blocks (refcount 1 each); all or nothing."""
         if num_blocks < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
+            raise InvalidRequestError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if not self.can_allocate(num_blocks):
             where = f"shard {self.shard}" if self.shard is not None else "block pool"
             raise CapacityError(

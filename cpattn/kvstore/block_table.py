@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.errors import InvalidRequestError
+
 PAD_BLOCK_ID = -1
 
 
@@ -18,8 +20,8 @@ class BlockTable:
 
     def __init__(self, max_rows: int, max_blocks_per_row: int):
         if max_rows < 1 or max_blocks_per_row < 1:
-            raise ValueError(f"block table needs max_rows >= 1 and max_blocks_per_row >= 1, "
-                             f"got {max_rows} x {max_blocks_per_row}")
+            raise InvalidRequestError(f"block table needs max_rows >= 1 and max_blocks_per_row >= 1, "
+                                      f"got {max_rows} x {max_blocks_per_row}")
         self.max_rows = max_rows
         self.max_blocks_per_row = max_blocks_per_row
         self.rows_RW = torch.full((min(max_rows, 16), min(max_blocks_per_row, 64)), PAD_BLOCK_ID, dtype=torch.int64)
@@ -41,7 +43,7 @@ class BlockTable:
 
     def add_row(self) -> int:
         if not self._free_rows:
-            raise ValueError(f"block table full: all {self.max_rows} rows in use")
+            raise InvalidRequestError(f"block table full: all {self.max_rows} rows in use")
         row = self._free_rows.pop()
         self._grow(row + 1, 1)
         return row
@@ -52,7 +54,7 @@ class BlockTable:
     def append(self, row: int, blocks: list[int]) -> None:
         n = self.num_blocks[row]
         if not self.can_append(row, len(blocks)):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"row {row} holds {n} blocks; {len(blocks)} more exceed the width {self.max_blocks_per_row}")
         if not blocks:
             return
@@ -62,6 +64,8 @@ class BlockTable:
 
     def truncate(self, row: int, num_blocks: int) -> list[int]:
         """Keep the first ``num_blocks`` ids of the row; return (and clear) the dropped ones."""
+        if num_blocks < 0:
+            raise InvalidRequestError(f"cannot truncate row {row} to {num_blocks} blocks: use a count >= 0")
         n = self.num_blocks[row]
         if num_blocks >= n:
             return []

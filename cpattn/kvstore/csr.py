@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.errors import InvalidRequestError
+
 
 def block_table_to_csr(block_table: torch.Tensor, seq_lens: torch.Tensor | list[int],
                        block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -14,15 +16,16 @@ def block_table_to_csr(block_table: torch.Tensor, seq_lens: torch.Tensor | list[
     last_page_len 0.
     """
     if block_size < 1:
-        raise ValueError(f"block_size {block_size} must be >= 1")
+        raise InvalidRequestError(f"block_size {block_size} must be >= 1")
     lens = torch.as_tensor(seq_lens, dtype=torch.int64, device=block_table.device)
     if block_table.dim() != 2 or block_table.shape[0] != lens.numel():
-        raise ValueError(f"block_table {tuple(block_table.shape)} must be [B, W] with B = len(seq_lens) = {lens.numel()}")
+        raise InvalidRequestError(f"block_table {tuple(block_table.shape)} must be [B, W] with "
+                                  f"B = len(seq_lens) = {lens.numel()}")
     if bool((lens < 0).any()):
-        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
+        raise InvalidRequestError(f"seq_lens must be >= 0, got {lens.tolist()}")
     num_pages = (lens + block_size - 1) // block_size
     if bool((num_pages > block_table.shape[1]).any()):
-        raise ValueError(f"block_table width {block_table.shape[1]} is too small for seq_lens {lens.tolist()}")
+        raise InvalidRequestError(f"block_table width {block_table.shape[1]} is too small for seq_lens {lens.tolist()}")
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=block_table.device)
     indptr[1:] = torch.cumsum(num_pages, 0)
     cols = torch.arange(block_table.shape[1], device=block_table.device)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class MultipleOf:
@@ -22,6 +24,12 @@ class MultipleOf:
         return size > 0 and size % self.base == 0
 
 
+def _check_sizes(manager_block_size: int, kernel_block_size: int) -> None:
+    if manager_block_size < 1 or kernel_block_size < 1 or manager_block_size % kernel_block_size:
+        raise InvalidRequestError(f"kernel block size {kernel_block_size} must be >= 1 and divide the manager "
+                                  f"block size {manager_block_size}")
+
+
 def _accepts(spec: int | MultipleOf, size: int) -> bool:
     return spec.accepts(size) if isinstance(spec, MultipleOf) else spec == size
 
@@ -30,14 +38,16 @@ def select_common_kernel_block_size(manager_block_size: int,
                                     supported: list[list[int | MultipleOf]]) -> int:
     """Largest k dividing ``manager_block_size`` accepted by every backend's list.
 
-    Raises ValueError naming the manager size and each backend's list when none exists.
+    Raises InvalidRequestError naming the manager size and each backend's list when none exists.
     """
+    if manager_block_size < 1:
+        raise InvalidRequestError(f"manager block size {manager_block_size} must be >= 1")
     for k in range(manager_block_size, 0, -1):
         if manager_block_size % k:
             continue
         if all(any(_accepts(s, k) for s in specs) for specs in supported):
             return k
-    raise ValueError(
+    raise InvalidRequestError(
         f"no kernel page size divides block_size {manager_block_size} and suits every backend "
         f"{supported}: choose a block_size that is a multiple of one size each backend accepts")
 
@@ -45,8 +55,7 @@ def select_common_kernel_block_size(manager_block_size: int,
 def expand_block_table(block_table_BW: torch.Tensor, manager_block_size: int,
                        kernel_block_size: int) -> torch.Tensor:
     """Manager id b -> kernel ids b*r .. b*r + r - 1 (r = M / k); padding (-1) stays padding."""
-    if manager_block_size % kernel_block_size:
-        raise ValueError(f"kernel block size {kernel_block_size} does not divide {manager_block_size}")
+    _check_sizes(manager_block_size, kernel_block_size)
     r = manager_block_size // kernel_block_size
     if r == 1:
         return block_table_BW
@@ -61,6 +70,10 @@ def kernel_kv_view(kv_cache_2NBKD: torch.Tensor, manager_block_size: int, kernel
 
     K and V lead the layout precisely so that this split is a reshape of contiguous pages.
     """
+    _check_sizes(manager_block_size, kernel_block_size)
+    if kv_cache_2NBKD.dim() != 5 or kv_cache_2NBKD.shape[2] != manager_block_size:
+        raise InvalidRequestError(f"kv cache {tuple(kv_cache_2NBKD.shape)} must be [2, num_blocks, "
+                                  f"{manager_block_size}, Hk, D] for manager block size {manager_block_size}")
     r = manager_block_size // kernel_block_size
     if r == 1:
         return kv_cache_2NBKD

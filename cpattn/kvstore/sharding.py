@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.errors import InvalidRequestError
+
 
 def _check(world_size: int, interleave: int, rank: int | None = None) -> None:
     if world_size < 1:
-        raise ValueError(f"world_size {world_size} must be >= 1")
+        raise InvalidRequestError(f"world_size {world_size} must be >= 1")
     if interleave < 1:
-        raise ValueError(f"interleave {interleave} must be >= 1")
+        raise InvalidRequestError(f"interleave {interleave} must be >= 1")
     if rank is not None and not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}: use 0..{world_size - 1}")
+        raise InvalidRequestError(f"rank {rank} out of range for world_size {world_size}: use 0..{world_size - 1}")
 
 
 def dcp_owner_rank(positions: torch.Tensor, world_size: int, interleave: int) -> torch.Tensor:
@@ -38,7 +40,7 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor | list[int], world_size: int, rank
     _check(world_size, interleave, rank)
     lens = torch.as_tensor(seq_lens, dtype=torch.int64)
     if bool((lens < 0).any()):
-        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
+        raise InvalidRequestError(f"seq_lens must be >= 0, got {lens.tolist()}")
     span = world_size * interleave
     full_rounds, rem = lens // span, lens % span
     return full_rounds * interleave + (rem - rank * interleave).clamp(min=0, max=interleave)
