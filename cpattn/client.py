@@ -117,6 +117,15 @@ class Service:
     def sequence_length(self, seq_id: str) -> int:
         return _call(self._coordinator.sequence_length.remote(seq_id), self.config.rpc_timeout_s, "sequence_length")
 
+    def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
+        """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
+
+        The KV written is ``cpattn.cluster.shard.synthetic_kv(seed, layer, num_tokens, Hk, D)``.
+        """
+        self._check_open()
+        return _call(self._coordinator.fill_synthetic.remote(self.client_id, seq_id, num_tokens, seed),
+                     self.config.rpc_timeout_s, "fill_synthetic")
+
     # Steps ----------------------------------------------------------------------------------------
     def step(self, request: dict[str, int]) -> "Step":
         """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""

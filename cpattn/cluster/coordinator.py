@@ -308,6 +308,32 @@ class Coordinator:
                 "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
                 "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
 
+    def fill_synthetic(self, client_id: str, seq_id: str, num_tokens: int, seed: int) -> int:
+        """Append ``num_tokens`` of seeded random KV to a sequence without attention (benchmarks, load tests)."""
+        with self._lock:
+            self._check_client(client_id)
+            self._raise_if_lost()
+            seq = self._get_sequence(seq_id)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+                raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
+            if seq.in_step is not None:
+                raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}")
+            growth = self.allocator.grow([(list(seq.rows), seq.length + num_tokens)])
+            plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1)
+            seq.in_step = -1
+            shards = list(self.shards)
+        try:
+            ray.get([h.fill_synthetic.remote(p, seed) for h, p in zip(shards, plans)], timeout=self.config.rpc_timeout_s)
+        except BaseException:
+            with self._lock:
+                self.allocator.undo(growth)
+                seq.in_step = None
+            raise
+        with self._lock:
+            seq.in_step = None
+            seq.length += num_tokens
+            return seq.length
+
     # Stats ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:

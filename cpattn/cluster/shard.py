@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse
+from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse, write_kv_cache
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
@@ -23,6 +23,14 @@ from cpattn.errors import CpattnError
 from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 logger = logging.getLogger("cpattn.shard")
+
+
+def synthetic_kv(seed: int, layer: int, num_tokens: int, num_kv_heads: int, head_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V [T, Hk, D] float32 that fill_synthetic writes for one layer."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + layer)
+    kv = torch.randn(2, num_tokens, num_kv_heads, head_size, generator=gen)
+    return kv[0], kv[1]
 
 
 class ShardWorker:
@@ -96,6 +104,18 @@ class ShardWorker:
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, t in enumerate(self.kv_caches):
             t[:, idx] = data[layer].to(self.device, self.dtype)
+
+    def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
+        """Write seeded random K/V for the plan's new tokens this shard owns (benchmarks, load tests).
+
+        Every shard draws the same full [T, Hk, D] per layer and keeps its own tokens, so the
+        sequence's logical KV is reproducible anywhere from ``seed``.
+        """
+        slots = plan.metadata.slot_mapping.to(self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            k, v = synthetic_kv(seed, layer, plan.num_tokens, self.config.num_kv_heads, self.config.head_size)
+            write_kv_cache(cache, k.to(self.device, self.dtype), v.to(self.device, self.dtype), slots)
+        return int((slots >= 0).sum())
 
     # Data plane -----------------------------------------------------------------------------------
     def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:

@@ -1,0 +1,137 @@
+"""Service benchmark (CPU): per-layer decode latency through cpattn vs the single-process torch reference.
+
+For each shard count and (batch, context): sequences are filled with seeded random KV
+(Service.fill_synthetic; never zeros), then decode steps run through the service. Time per layer is
+split into plan (once per step, divided by layers), data plane (broadcast + gather as the gateway
+sees it, minus the slowest shard's kernel time), attention (slowest shard) and merge (gateway).
+The reference is TorchAttentionImpl over one unsharded paged cache of the same shape.
+
+    python benchmarks/service_bench.py [--shards 1,2,4] [--batches 1,16,64] [--contexts 4096,...]
+Prints a table and writes JSON (default benchmarks/results/service_bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+
+def reference_layer_ms(batch: int, context: int, hq: int, hk: int, d: int, block: int, repeats: int) -> float:
+    """One decode layer over [batch x context] tokens in a single process (torch reference backend)."""
+    from cpattn.attention import AttentionSpec, make_causal_metadata
+    from cpattn.attention.backends.torch_ref import TorchReferenceBackend
+
+    spec = AttentionSpec(hq, hk, d, torch.float32, block)
+    pages = -(-(context + 1) // block)
+    cache = torch.randn(TorchReferenceBackend.get_kv_cache_shape(batch * pages, block, hk, d))
+    table = torch.randperm(batch * pages).view(batch, pages)
+    md = make_causal_metadata([1] * batch, [context] * batch, table, block)
+    impl = TorchReferenceBackend.impl_cls(spec)
+    q, k, v = torch.randn(batch, hq, d), torch.randn(batch, hk, d), torch.randn(batch, hk, d)
+    impl.forward(0, q, k, v, cache, md)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        impl.forward(0, q, k, v, cache, md)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq: int, hk: int, d: int, block: int,
+                  repeats: int, max_tokens: int) -> list[dict]:
+    import cpattn
+
+    blocks = max(64, -(-max_tokens // num_shards // block) + 4 * max(b for b, _ in cases))
+    cfg = cpattn.ServiceConfig(num_shards=num_shards, num_layers=layers, num_q_heads=hq, num_kv_heads=hk,
+                               head_size=d, block_size=block, dtype="float32", num_blocks_per_shard=blocks,
+                               name=f"cpattn-bench-{num_shards}", rpc_timeout_s=600, collective_timeout_s=600)
+    svc = cpattn.start(cfg)
+    rows = []
+    try:
+        for batch, context in cases:
+            seqs = [svc.add_sequence() for _ in range(batch)]
+            for i, s in enumerate(seqs):
+                svc.fill_synthetic(s, context, seed=i)
+            samples = []
+            for rep in range(repeats + 1):
+                t0 = time.perf_counter()
+                with svc.step({s: 1 for s in seqs}) as step:
+                    for layer in range(layers):
+                        step.attend(layer, torch.randn(batch, hq, d), torch.randn(batch, hk, d), torch.randn(batch, hk, d))
+                wall = time.perf_counter() - t0
+                if rep:   # the first step warms up
+                    samples.append(dict(step.timings, wall_s=wall))
+            for s in seqs:
+                svc.free(s)
+            med = {k: statistics.median(x[k] for x in samples) for k in samples[0]}
+            per_layer = {k: 1e3 * v / layers for k, v in med.items()}
+            wire = max(0.0, per_layer["data_plane_s"] - per_layer["attention_s"])
+            total = per_layer["wall_s"]
+            rows.append({"shards": num_shards, "batch": batch, "context": context, "layers": layers,
+                         "plan_ms_per_step": 1e3 * med["plan_s"], "plan_ms": per_layer["plan_s"],
+                         "data_plane_ms": wire, "attention_ms": per_layer["attention_s"],
+                         "merge_ms": per_layer["merge_s"], "total_ms": total,
+                         "overhead_pct": 100.0 * (total - per_layer["attention_s"]) / total})
+            print(_fmt(rows[-1], None), flush=True)
+    finally:
+        svc.shutdown()
+    return rows
+
+
+HEADER = (f"{'shards':>6} {'batch':>5} {'context':>8} {'plan/step':>9} {'plan':>6} {'wire':>7} {'attn':>7} "
+          f"{'merge':>6} {'total':>7} {'ovh%':>5} {'ref':>7}")
+
+
+def _fmt(r: dict, ref: float | None) -> str:
+    ref_s = f"{ref:>7.2f}" if ref is not None else f"{'':>7}"
+    return (f"{r['shards']:>6} {r['batch']:>5} {r['context']:>8} {r['plan_ms_per_step']:>9.2f} {r['plan_ms']:>6.2f} "
+            f"{r['data_plane_ms']:>7.2f} {r['attention_ms']:>7.2f} {r['merge_ms']:>6.2f} {r['total_ms']:>7.2f} "
+            f"{r['overhead_pct']:>5.1f} {ref_s}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", default="1,2,4")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--contexts", default="4096,16384,32768,65536")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", default="8,2,128", help="Hq,Hk,D")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=1 << 20, help="skip cases with batch*context above this")
+    parser.add_argument("--json", default="benchmarks/results/service_bench.json")
+    args = parser.parse_args(argv)
+    hq, hk, d = (int(x) for x in args.heads.split(","))
+    block = 16
+    cases = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))
+             if b * c <= args.max_tokens]
+    print(f"cpattn service bench: Hq {hq} Hk {hk} D {d} float32, {args.layers} layers, per-layer ms (medians)")
+    print(HEADER)
+    rows = []
+    for n in map(int, args.shards.split(",")):
+        rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens)
+    refs = {(b, c): reference_layer_ms(b, c, hq, hk, d, block, args.repeats) for b, c in cases}
+    print("\nwith the single-process torch reference per layer (ref, ms):")
+    print(HEADER)
+    for r in rows:
+        r["reference_ms"] = refs[(r["batch"], r["context"])]
+        print(_fmt(r, r["reference_ms"]))
+    import ray
+
+    meta = {"date": date.today().isoformat(), "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+            "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version()}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
