@@ -1,0 +1,281 @@
+"""FLASH_ATTN backend: whichever FlashAttention generation is installed and valid, natural-log LSE.
+
+Legend: T tokens, Q query heads, K kv heads, D head size, B requests, W block-table width.
+Generations, newest first (the first valid one runs; the choice is logged by the selector):
+- FA4  flash-attn-4: ``flash_attn.cute.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=,
+       seqused_k=, page_table=, causal=, return_lse=True)``; SM90 / SM100; LSE [Q, T].
+- FA3  flash-attn hopper build: ``flash_attn_interface.flash_attn_varlen_func(..., seqused_k=,
+       page_table=, return_attn_probs=True)``; SM90 only; LSE [Q, T].
+- FA2  flash-attn 2: ``flash_attn.flash_attn_varlen_func(..., block_table=, return_attn_probs=True)``;
+       SM80+; paged KV needs pages that are a multiple of 256; LSE [Q, T].
+One varlen call serves the whole step (decodes and prefills alike). Causal in both metadata modes:
+causal=True asks FlashAttention for its causal mask, which every generation aligns bottom-right
+(query j of a request with L keys and n queries sees keys [0, L - n + j]) - exactly our rule;
+causal=False (a DCP context partial) is a plain non-causal call. Requests with no key get out 0,
+lse -inf, fixed up after the call since generations disagree on that corner.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                      AttentionMetadataBuilder, AttentionSelectorConfig)
+from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.attention.merge import LseBase
+from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.kvstore import MultipleOf
+
+logger = logging.getLogger("cpattn.attention")
+
+GENERATIONS = ("FA4", "FA3", "FA2")
+PAGE_MULTIPLE = {"FA4": 16, "FA3": 16, "FA2": 256}
+
+
+def _import_generation(gen: str):
+    """The varlen function of ``gen`` or raise ImportError."""
+    if gen == "FA4":
+        return importlib.import_module("flash_attn.cute").flash_attn_varlen_func
+    if gen == "FA3":
+        return importlib.import_module("flash_attn_interface").flash_attn_varlen_func
+    module = importlib.import_module("flash_attn")
+    if not hasattr(module, "flash_attn_varlen_func"):
+        raise ImportError("flash_attn has no flash_attn_varlen_func (only flash-attn-4's cute package?)")
+    return module.flash_attn_varlen_func
+
+
+def _package_version(gen: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in {"FA4": ("flash-attn-4", "fa4"), "FA3": ("flash-attn-3", "flash_attn_3", "flash-attn"),
+                 "FA2": ("flash-attn", "flash_attn")}[gen]:
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown version"
+
+
+def generation_reasons(gen: str, config: AttentionSelectorConfig) -> list[str]:
+    """Why ``gen`` cannot serve ``config`` ([] when it can)."""
+    reasons = []
+    try:
+        _import_generation(gen)
+    except Exception as exc:   # a broken install raises more than ImportError
+        reasons.append(f"not installed ({type(exc).__name__}: {exc})")
+    cap = config.device_capability
+    if cap is not None:
+        if gen == "FA4" and cap[0] not in (9, 10, 11):
+            reasons.append(f"needs SM90/SM100 (compute capability 9.x/10.x), device has {cap}")
+        if gen == "FA3" and cap[0] != 9:
+            reasons.append(f"needs SM90 (Hopper), device has {cap}")
+        if gen == "FA2" and cap < (8, 0):
+            reasons.append(f"needs compute capability >= 8.0, device has {cap}")
+    if config.block_size % PAGE_MULTIPLE[gen]:
+        reasons.append(f"page size {config.block_size} is not a multiple of {PAGE_MULTIPLE[gen]}")
+    if config.head_size % 8 or config.head_size > 256:
+        reasons.append(f"head_size {config.head_size} not supported (multiple of 8, at most 256)")
+    return reasons
+
+
+def select_generation(config: AttentionSelectorConfig) -> tuple[str | None, dict[str, list[str]]]:
+    """The first valid generation, and every generation's reasons."""
+    rejected = {}
+    for gen in GENERATIONS:
+        reasons = generation_reasons(gen, config)
+        if not reasons:
+            return gen, rejected
+        rejected[gen] = reasons
+    return None, rejected
+
+
+def _config_of(spec) -> AttentionSelectorConfig:
+    from cpattn.attention.backend import DTYPE_NAMES
+
+    dev = torch.device(spec.device)
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" and torch.cuda.is_available() else None
+    return AttentionSelectorConfig(head_size=spec.head_size, dtype=DTYPE_NAMES.get(spec.dtype, str(spec.dtype)),
+                                   kv_cache_dtype="auto", block_size=spec.block_size,
+                                   num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
+                                   device_type=dev.type, device_capability=cap)
+
+
+@dataclass
+class FlashAttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    """(T,) int64, device."""
+    cu_seqlens_q: torch.Tensor
+    """(B + 1,) int32, device."""
+    seqused_k: torch.Tensor
+    """(B,) int32, device: keys per request."""
+    cu_seqlens_k: torch.Tensor
+    """(B + 1,) int32, device: cumsum of seqused_k (FA2 takes lengths this way)."""
+    page_table: torch.Tensor
+    """(B, W) int32, device; padding clamped to page 0 (never read past seqused_k)."""
+    max_query_len: int
+    max_seq_len: int
+    causal: bool
+    empty_rows: torch.Tensor | None
+    """(T,) bool, device: tokens of requests with no key; None when there are none."""
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        dev = torch.device(self.spec.device)
+        seq = common.seq_lens_cpu.to(torch.int64)
+        q_lens = common.query_lens_cpu.to(torch.int64)
+        cu_k = torch.zeros(seq.numel() + 1, dtype=torch.int64)
+        cu_k[1:] = torch.cumsum(seq, 0)
+        empty_req = (seq == 0) & (q_lens > 0)
+        empty_rows = (torch.repeat_interleave(empty_req, q_lens).to(dev, non_blocking=True)
+                      if bool(empty_req.any()) else None)
+        i32 = torch.int32
+        return FlashAttentionMetadata(
+            num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
+            cu_seqlens_q=common.query_start_loc_cpu.to(i32).to(dev, non_blocking=True),
+            seqused_k=seq.to(i32).to(dev, non_blocking=True), cu_seqlens_k=cu_k.to(i32).to(dev, non_blocking=True),
+            page_table=common.block_table_tensor.to(dev, non_blocking=True).clamp(min=0).to(i32).contiguous(),
+            max_query_len=max(common.max_query_len, 1), max_seq_len=max(common.max_seq_len, 1),
+            causal=common.causal, empty_rows=empty_rows)
+
+
+class FlashAttentionImpl(AttentionImpl):
+    """Resolves its generation once, at construction, from the spec's device, page size and head size."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        gen, rejected = select_generation(_config_of(spec))
+        if gen is None:
+            from cpattn.errors import BackendUnavailableError
+
+            raise BackendUnavailableError("no FlashAttention generation can serve this layer",
+                                          {f"FLASH_ATTN/{g}": r for g, r in rejected.items()})
+        self.generation = gen
+        self._fn = _import_generation(gen)
+        logger.info("FLASH_ATTN runs %s (%s)", gen, _package_version(gen))
+
+    def _call(self, q, k, v, *, cu_seqlens_q, max_q, causal, seqused_k=None, cu_seqlens_k=None, max_k=None,
+              page_table=None):
+        """One varlen call in whatever form this generation takes; returns (out [T,Q,D], lse [Q,T])."""
+        scale = self.spec.scale
+        if self.generation == "FA4":
+            res = self._fn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
+                           max_seqlen_k=max_k, seqused_k=seqused_k, page_table=page_table, softmax_scale=scale,
+                           causal=causal, return_lse=True)
+        elif self.generation == "FA3":
+            res = self._fn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
+                           max_seqlen_k=max_k, seqused_k=seqused_k, page_table=page_table, softmax_scale=scale,
+                           causal=causal, return_attn_probs=True)
+        else:
+            res = self._fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                           return_attn_probs=True, block_table=page_table)
+        return res[0], res[1]
+
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+        md: FlashAttentionMetadata = attn_metadata
+        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if self.generation == "FA2":
+            out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
+                                     causal=md.causal, cu_seqlens_k=md.cu_seqlens_k, max_k=md.max_seq_len,
+                                     page_table=md.page_table)
+        else:
+            out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
+                                     causal=md.causal, seqused_k=md.seqused_k, max_k=md.max_seq_len,
+                                     page_table=md.page_table)
+        lse = _to_TQ(lse_QT, q_TQD.shape[0])
+        if md.empty_rows is not None:
+            out = out.masked_fill(md.empty_rows[:, None, None], 0.0)
+            lse = lse.masked_fill(md.empty_rows[:, None], -math.inf)
+        return out, lse
+
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+        """Pieces as one varlen call over gathered (q, k) segments: queries [qs, qe) vs keys [ks, qe),
+        causal bottom-right, so query qs + i sees keys [ks, qs + i]."""
+        if not q_TQD.is_cuda:
+            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+        t, hq, d = q_TQD.shape
+        out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+        lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
+        pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
+        if not pieces:
+            return out, lse
+        dev = q_TQD.device
+        q_rows = torch.cat([torch.arange(qs, qe) for qs, qe, _ in pieces]).to(dev)
+        k_rows = torch.cat([torch.arange(ks, qe) for _, qe, ks in pieces]).to(dev)
+        q_lens = torch.tensor([qe - qs for qs, qe, _ in pieces])
+        k_lens = torch.tensor([qe - ks for _, qe, ks in pieces])
+        cu_q = torch.zeros(len(pieces) + 1, dtype=torch.int32)
+        cu_q[1:] = torch.cumsum(q_lens, 0)
+        cu_k = torch.zeros(len(pieces) + 1, dtype=torch.int32)
+        cu_k[1:] = torch.cumsum(k_lens, 0)
+        contiguous = len(pieces) == 1 and pieces[0][2] == 0 and pieces[0][0] == 0 and pieces[0][1] == t
+        q = q_TQD if contiguous else q_TQD.index_select(0, q_rows)
+        k = k_TKD if contiguous else k_TKD.index_select(0, k_rows)
+        v = v_TKD if contiguous else v_TKD.index_select(0, k_rows)
+        o, l_QT = self._call(q, k, v, cu_seqlens_q=cu_q.to(dev), max_q=int(q_lens.max()), causal=True,
+                             cu_seqlens_k=cu_k.to(dev), max_k=int(k_lens.max()))
+        if contiguous:
+            return o, _to_TQ(l_QT, t)
+        out.index_copy_(0, q_rows, o)
+        lse.index_copy_(0, q_rows, _to_TQ(l_QT, q_rows.numel()))
+        return out, lse
+
+
+def _to_TQ(lse: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """FlashAttention's varlen LSE is [Q, T] (FA2 may pad T); ours is [T, Q] float32."""
+    if lse.dim() == 3:                       # [1, Q, T] from some builds
+        lse = lse[0]
+    if lse.shape[-1] != num_tokens and lse.shape[0] == num_tokens:
+        return lse.float().contiguous()
+    return lse[:, :num_tokens].t().float().contiguous()
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "FLASH_ATTN"
+    impl_cls = FlashAttentionImpl
+    builder_cls = FlashAttentionMetadataBuilder
+    supported_dtypes = ("float16", "bfloat16")
+    supported_devices = ("cuda",)
+    supported_head_sizes = None
+    min_capability = (8, 0)
+    lse_base = LseBase.E
+    can_return_lse = True
+    supports_pcp = True
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls):
+        installed = [g for g in GENERATIONS if _installed(g)]
+        return [MultipleOf(min((PAGE_MULTIPLE[g] for g in installed), default=16))]
+
+    @classmethod
+    def kernel_version(cls) -> str:
+        installed = [g for g in GENERATIONS if _installed(g)]
+        if not installed:
+            return "no FlashAttention generation installed"
+        return ", ".join(f"{g} ({_package_version(g)})" for g in installed) + " installed; first valid runs"
+
+    @classmethod
+    def availability(cls, config: AttentionSelectorConfig) -> list[str]:
+        reasons = []
+        if config.device_type == "cuda" and not torch.cuda.is_available():
+            reasons.append("CUDA is not available in this process")
+        gen, rejected = select_generation(config)
+        if gen is None:
+            reasons.extend(f"{g}: {'; '.join(r)}" for g, r in rejected.items())
+        return reasons
+
+
+def _installed(gen: str) -> bool:
+    try:
+        _import_generation(gen)
+    except Exception:
+        return False
+    return True

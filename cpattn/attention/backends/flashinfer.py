@@ -1,0 +1,198 @@
+"""FLASHINFER backend: FlashInfer's paged decode and prefill wrappers, base-2 LSE.
+
+Legend: T tokens, Q query heads, K kv heads, D head size, B requests.
+plan() once per step, run() per layer: the builder turns the block table into FlashInfer's CSR page
+table (``paged_kv_indptr / indices / last_page_len``), moves decodes (one query) before prefills
+with one permutation (``batch_split``), and plans a BatchDecode wrapper on the decode prefix and a
+BatchPrefill wrapper (causal as the metadata says; FlashInfer aligns the mask bottom-right) on the
+rest. Requests with no readable key (a DCP shard that holds none of a sequence yet) are left out
+of both plans: their rows are out 0, lse -inf. The impl permutes q, runs both wrappers with
+``return_lse`` and writes the outputs back in request order.
+
+FlashInfer reports LSE in base 2 (log2 sum 2^(s log2 e)), measured on an H200 with 0.7.2.
+flashinfer is imported lazily: the module imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                      AttentionMetadataBuilder, AttentionSelectorConfig)
+from cpattn.attention.batch_split import split_decodes_and_prefills
+from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.attention.merge import LseBase
+from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.kvstore import block_table_to_csr
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+_workspaces: dict[str, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """One zero-initialized float workspace per device, shared by every wrapper (they run in turn)."""
+    key = str(device)
+    if key not in _workspaces:
+        _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[key]
+
+
+@dataclass
+class FlashInferMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    """(T,) int64, device."""
+    token_order: torch.Tensor | None
+    """(Ta,) int64, device: planned token j is step token token_order[j]; None = identity over all T."""
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    decode_wrapper: Any
+    prefill_wrapper: Any
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """Owns the two wrappers (their int workspaces and pinned buffers live across steps)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._decode = None
+        self._prefill = None
+
+    def _wrappers(self):
+        import flashinfer
+
+        if self._decode is None:
+            dev = torch.device(self.spec.device)
+            ws = _workspace(dev)
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD")
+        return self._decode, self._prefill
+
+    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        spec = self.spec
+        dev = torch.device(spec.device)
+        qsl = common.query_start_loc_cpu.to(torch.int64)
+        seq_lens = common.seq_lens_cpu.to(torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        active = torch.nonzero((q_lens > 0) & (seq_lens > 0)).flatten()
+        act_qsl = torch.zeros(active.numel() + 1, dtype=torch.int64)
+        act_qsl[1:] = torch.cumsum(q_lens[active], 0)
+        split = split_decodes_and_prefills(act_qsl, decode_threshold=1)
+        req_order = active[split.request_order]
+        if active.numel():
+            act_tokens = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in active.tolist()])
+            token_order = act_tokens[split.token_order]
+        else:
+            token_order = torch.zeros(0, dtype=torch.int64)
+        identity = token_order.numel() == common.num_actual_tokens and bool(
+            (token_order == torch.arange(token_order.numel())).all())
+
+        lens = seq_lens[req_order]
+        ps = spec.block_size
+        num_pages = (lens + ps - 1) // ps
+        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(num_pages, 0)
+        last_page_len = (lens - 1) % ps + 1
+        table = common.block_table_tensor.to(dev, non_blocking=True)[req_order.to(dev)]
+        _, indices, _ = block_table_to_csr(table, lens.to(dev), ps)
+        indices = indices.to(torch.int32)
+        i32 = torch.int32
+
+        decode, prefill = self._wrappers()
+        nd, ndt = split.num_decodes, split.num_decode_tokens
+        common_kwargs = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        if nd:
+            decode.plan(indptr[:nd + 1].to(i32), indices[:int(indptr[nd])], last_page_len[:nd].to(i32),
+                        spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps, **common_kwargs)
+        if split.num_prefills:
+            p_indptr = indptr[nd:] - indptr[nd]
+            prefill.plan(split.prefill_qo_indptr.to(i32), p_indptr.to(i32), indices[int(indptr[nd]):],
+                         last_page_len[nd:].to(i32), spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps,
+                         causal=common.causal, **common_kwargs)
+        return FlashInferMetadata(
+            num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
+            token_order=None if identity else token_order.to(dev, non_blocking=True),
+            num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens,
+            decode_wrapper=decode if nd else None, prefill_wrapper=prefill if split.num_prefills else None)
+
+
+class FlashInferImpl(AttentionImpl):
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+        md: FlashInferMetadata = attn_metadata
+        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        paged = (kv_cache[0], kv_cache[1])
+        q = q_TQD if md.token_order is None else q_TQD.index_select(0, md.token_order)
+        ndt = md.num_decode_tokens
+        outs, lses = [], []
+        if md.decode_wrapper is not None:
+            o, l = md.decode_wrapper.run(q[:ndt], paged, return_lse=True)
+            outs.append(o)
+            lses.append(l)
+        if md.prefill_wrapper is not None:
+            o, l = md.prefill_wrapper.run(q[ndt:], paged, return_lse=True)
+            outs.append(o)
+            lses.append(l)
+        if md.token_order is None:
+            if len(outs) == 1:
+                return outs[0], lses[0].float()
+            return torch.cat(outs), torch.cat(lses).float()
+        t, hq, d = q_TQD.shape
+        out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+        lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
+        if outs:
+            out.index_copy_(0, md.token_order, torch.cat(outs) if len(outs) > 1 else outs[0])
+            lse.index_copy_(0, md.token_order, (torch.cat(lses) if len(lses) > 1 else lses[0]).float())
+        return out, lse
+
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+        # FlashInfer's ragged prefill would be one more JIT module; the Triton prefill kernel serves
+        # the causal part among new tokens on CUDA (it ships with every CUDA torch).
+        if q_TQD.is_cuda:
+            try:
+                from cpattn.attention.backends.triton_attn import triton_ragged_causal
+            except ImportError:
+                pass
+            else:
+                return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
+        return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "FLASHINFER"
+    impl_cls = FlashInferImpl
+    builder_cls = FlashInferMetadataBuilder
+    supported_dtypes = ("float16", "bfloat16")
+    supported_devices = ("cuda",)
+    supported_head_sizes = (64, 128, 256)
+    min_capability = (8, 0)
+    lse_base = LseBase.TWO
+    can_return_lse = True
+    supports_pcp = True
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls):
+        return [16, 32, 64]
+
+    @classmethod
+    def kernel_version(cls) -> str:
+        try:
+            import flashinfer
+        except ImportError:
+            return "flashinfer (not installed)"
+        return f"flashinfer {flashinfer.__version__}"
+
+    @classmethod
+    def availability(cls, config: AttentionSelectorConfig) -> list[str]:
+        reasons = []
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError as exc:
+            reasons.append(f"flashinfer is not installed (pip install 'cpattn[flashinfer]'): {exc}")
+        if config.device_type == "cuda" and not torch.cuda.is_available():
+            reasons.append("CUDA is not available in this process")
+        return reasons

@@ -1,0 +1,181 @@
+"""TRITON backend: the project's own paged attention kernels (``triton_kernels``), natural-log LSE.
+
+Legend: T tokens, Q query heads, K kv heads, D head size, B requests, S KV splits.
+The builder sorts requests into decodes (one query: flash-decoding, split-KV so a single long
+sequence fills the GPU) and prefills (tiled, causal with context or, in a DCP context partial, no
+mask); no reorder of q/k/v is needed because both kernels address tokens by index. Triton is
+imported only when a plan is built or availability is checked, so CPU installs import this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                      AttentionMetadataBuilder, AttentionSelectorConfig)
+from cpattn.attention.backend import write_kv_cache
+from cpattn.attention.merge import LseBase
+from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.kvstore import MultipleOf
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    """(T,) int64, device: cache slot of each new token's K/V, -1 = not written here."""
+    block_table: torch.Tensor
+    """(B, W) int64, device: page ids."""
+    # decode part (requests with one query)
+    dec_tok: torch.Tensor
+    """(Td,) int32: token row of each decode."""
+    dec_req: torch.Tensor
+    """(Td,) int32: its request."""
+    dec_kv_len: torch.Tensor
+    """(Td,) int32: keys it sees."""
+    num_splits: int
+    split_chunk: int
+    # prefill part
+    tiles: tuple[torch.Tensor, ...]
+    """Four (num_tiles,) int32 tensors: request, first token, rows, first query index in request."""
+    req_seq: torch.Tensor
+    """(B,) int32: keys of each request (seq_lens)."""
+    req_qlen: torch.Tensor
+    """(B,) int32: queries of each request."""
+    req_kv0: torch.Tensor
+    """(B,) int32 zeros (paged keys start at page 0)."""
+    causal: bool
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """Plans once per step: decode token lists and split count, prefill tiles."""
+
+    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        from cpattn.attention.backends import triton_kernels as tk
+
+        dev = torch.device(self.spec.device)
+        qsl = common.query_start_loc_cpu.tolist()
+        seq = common.seq_lens_cpu.tolist()
+        q_lens = [qsl[r + 1] - qsl[r] for r in range(common.num_reqs)]
+        dec = [r for r in range(common.num_reqs) if q_lens[r] == 1]
+        pre = [r for r in range(common.num_reqs) if q_lens[r] > 1]
+        i32 = dict(dtype=torch.int32)
+        dec_kv = [seq[r] for r in dec]
+        splits, chunk = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(dec_kv), dev)
+                         if dec and max(dec_kv) > 0 else (1, 64))
+        block_m = tk.prefill_block_sizes(self.spec.head_size)[0]
+        tiles = tk.make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
+        return TritonAttentionMetadata(
+            num_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
+            block_table=common.block_table_tensor.to(dev, non_blocking=True),
+            dec_tok=torch.tensor([qsl[r] for r in dec], **i32).to(dev, non_blocking=True),
+            dec_req=torch.tensor(dec, **i32).to(dev, non_blocking=True),
+            dec_kv_len=torch.tensor(dec_kv, **i32).to(dev, non_blocking=True),
+            num_splits=splits, split_chunk=chunk, tiles=tiles,
+            req_seq=torch.tensor(seq, **i32).to(dev, non_blocking=True),
+            req_qlen=torch.tensor(q_lens, **i32).to(dev, non_blocking=True),
+            req_kv0=torch.zeros(common.num_reqs, **i32, device=dev),
+            causal=common.causal)
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+        from cpattn.attention.backends import triton_kernels as tk
+
+        md: TritonAttentionMetadata = attn_metadata
+        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        t, hq, d = q_TQD.shape
+        out = torch.empty(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+        lse = torch.empty(t, hq, dtype=torch.float32, device=q_TQD.device)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        tk.paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
+                        md.num_splits, md.split_chunk, self.spec.scale, out, lse)
+        tk.prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
+                   md.causal, self.spec.scale, out, lse)
+        return out, lse
+
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+        if not q_TQD.is_cuda:
+            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+        return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
+
+
+def write_kv_cache_fast(kv_cache: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                        slot_mapping_T: torch.Tensor) -> None:
+    """The KV update before attention: a Triton scatter on CUDA (no host sync), torch elsewhere."""
+    if kv_cache.is_cuda:
+        try:
+            from cpattn.attention.backends import triton_kernels as tk
+        except ImportError:
+            pass
+        else:
+            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+            return
+    write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+
+
+def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, pieces_P3: torch.Tensor,
+                         scale: float, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention among new tokens by pieces (q_start, q_end, k_start) with the prefill kernel;
+    rows no piece covers get out 0, lse -inf. Natural-log LSE [T, Q] float32."""
+    from cpattn.attention.backends import triton_kernels as tk
+
+    t, hq, d = q_TQD.shape
+    out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+    lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
+    pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
+    if not pieces:
+        return out, lse
+    dev = q_TQD.device
+    block_m = tk.prefill_block_sizes(head_size)[0]
+    tiles = tk.make_prefill_tiles(list(range(len(pieces))), [p[0] for p in pieces], [p[1] - p[0] for p in pieces],
+                                  block_m, dev)
+    i32 = dict(dtype=torch.int32)
+    req_seq = torch.tensor([qe - ks for _, qe, ks in pieces], **i32).to(dev)
+    req_qlen = torch.tensor([qe - qs for qs, qe, _ in pieces], **i32).to(dev)
+    req_kv0 = torch.tensor([ks for _, _, ks in pieces], **i32).to(dev)
+    tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse)
+    return out, lse
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON"
+    impl_cls = TritonAttentionImpl
+    builder_cls = TritonMetadataBuilder
+    supported_dtypes = ("float16", "bfloat16")
+    supported_devices = ("cuda",)
+    supported_head_sizes = None          # any multiple of 8 up to 256 (tiles pad D to a power of 2)
+    min_capability = (8, 0)              # bf16 tensor-core dot
+    lse_base = LseBase.E
+    can_return_lse = True
+    supports_pcp = True
+    cudagraph_support = AttentionCGSupport.NEVER   # split count and tiles are chosen per step
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls):
+        # Keys are gathered row by row through the block table, so any page size works; 16 and up
+        # keep a K/V tile within few pages.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def kernel_version(cls) -> str:
+        try:
+            import triton
+        except ImportError:
+            return "triton (not installed)"
+        return f"cpattn triton kernels (triton {triton.__version__})"
+
+    @classmethod
+    def availability(cls, config: AttentionSelectorConfig) -> list[str]:
+        reasons = []
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            reasons.append("triton is not installed (pip install 'cpattn[triton]')")
+        if config.device_type == "cuda" and not torch.cuda.is_available():
+            reasons.append("CUDA is not available in this process")
+        return reasons

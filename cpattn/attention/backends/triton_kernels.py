@@ -1,0 +1,359 @@
+"""Triton kernels of the TRITON backend: paged split-KV decode and paged causal prefill, both with LSE.
+
+Legend: T tokens, Q query heads, K kv heads, G = Q / K, D head size, S KV splits, P pages of PS tokens.
+Both kernels read K/V through a block table from the cache layout every backend shares,
+[2, num_blocks, PS, K, D] (NHD pages), keep the softmax in base 2 (exp2 is the fast path) and
+report the LSE in natural log (lse = (m + log2 l) * ln 2).
+
+- Decode (flash-decoding): one program per (token, kv head, split). A program holds all G query
+  heads of its kv head as the rows of one tile, so each K/V byte is read once per kv head, and the
+  key range is cut into S splits so a single long sequence still fills every SM. Partials
+  [S, T, Q, D] are merged by LSE (``merge_triton``); with S = 1 the kernel writes the output directly.
+- Prefill: one program per (query tile, query head); keys up to the tile's causal limit, full tiles
+  unmasked and only the diagonal tiles masked. Also serves non-paged ragged K/V (PAGED=False) for
+  the causal part among a step's new tokens.
+
+This module imports triton at import time: import it only where CUDA and triton exist.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, req_ptr, klen_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
+    scale_log2, chunk,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    tok = tl.load(tok_ptr + i).to(tl.int64)
+    req = tl.load(req_ptr + i).to(tl.int64)
+    kv_len = tl.load(klen_ptr + i)
+    start = s * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    heads = kh * G + offs_g
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        n_mask = pos < end
+        page = tl.load(bt_row + pos // PS, mask=n_mask, other=0).to(tl.int64)
+        within = (pos % PS).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kb + within[:, None] * stride_ks + kh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + within[:, None] * stride_vs + kh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))          # finite: every tile has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    if DIRECT:
+        o_rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + tok * stride_lt + heads, lse, mask=g_mask)
+    else:
+        o_rows = out_ptr + s * stride_os + i * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + s * stride_ls + i * stride_lt + heads, lse, mask=g_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr,
+    tile_req_ptr, tile_q0_ptr, tile_m_ptr, tile_j0_ptr,
+    req_seq_ptr, req_qlen_ptr, req_kv0_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb,
+    stride_ot, stride_oh, stride_lt,
+    scale_log2,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+):
+    """Tile ``tid`` holds query tokens [q0, q0 + m) of request ``req``, its j0-th .. query.
+
+    Query j of a request with ``seq`` keys and ``qlen`` queries sees keys [0, seq - qlen + j] when
+    CAUSAL, else all ``seq``. PAGED=False reads keys at rows kv0 + n of a [T, K, D] tensor.
+    """
+    tid = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // G
+    req = tl.load(tile_req_ptr + tid).to(tl.int64)
+    q0 = tl.load(tile_q0_ptr + tid).to(tl.int64)
+    m_count = tl.load(tile_m_ptr + tid)
+    j0 = tl.load(tile_j0_ptr + tid)
+    seq = tl.load(req_seq_ptr + req)
+    qlen = tl.load(req_qlen_ptr + req)
+    kv0 = tl.load(req_kv0_ptr + req).to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < m_count
+    d_mask = offs_d < D
+    rows = q0 + offs_m
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    if CAUSAL:
+        limit = seq - qlen + j0 + offs_m + 1          # keys visible to each row
+        hi = tl.minimum(seq - qlen + j0 + m_count, seq)
+        lo = tl.maximum(seq - qlen + j0 + 1, 0)       # every row sees [0, lo)
+    else:
+        limit = tl.zeros([BLOCK_M], tl.int32) + seq
+        hi = seq
+        lo = seq
+    lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    # Full tiles: every row sees every key, no mask.
+    for n in range(0, lo, BLOCK_N):
+        pos = n + offs_n
+        if PAGED:
+            page = tl.load(bt_row + pos // PS).to(tl.int64)
+            k_off = page * stride_kb + (pos % PS).to(tl.int64) * stride_ks
+            v_off = page * stride_vb + (pos % PS).to(tl.int64) * stride_vs
+        else:
+            k_off = (kv0 + pos) * stride_ks
+            v_off = (kv0 + pos) * stride_vs
+        k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Boundary tiles: per-row limit (causal diagonal, sequence end).
+    for n in range(lo, hi, BLOCK_N):
+        pos = n + offs_n
+        n_mask = pos < hi
+        if PAGED:
+            page = tl.load(bt_row + pos // PS, mask=n_mask, other=0).to(tl.int64)
+            k_off = page * stride_kb + (pos % PS).to(tl.int64) * stride_ks
+            v_off = page * stride_vb + (pos % PS).to(tl.int64) * stride_vs
+        else:
+            k_off = (kv0 + pos) * stride_ks
+            v_off = (kv0 + pos) * stride_vs
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = pos[None, :] < limit[:, None]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row may see nothing in this tile
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + rows * stride_lt + h, lse, mask=m_mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if torch.device(device).type != "cuda":
+        return 132          # TRITON_INTERPRET runs on the CPU: plan as for an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                      block_n: int = 64) -> tuple[int, int]:
+    """(S, chunk): enough (token, kv head, split) programs to fill the GPU ~4 waves, chunks a
+    multiple of ``block_n`` and at least 8 tiles long so each split amortizes its merge."""
+    target = 4 * _num_sms(device)
+    programs = max(1, num_tokens * num_kv_heads)
+    max_splits = max(1, -(-max_kv_len // (8 * block_n)))
+    splits = max(1, min(-(-target // programs), max_splits, 256))
+    chunk = -(-max_kv_len // splits)
+    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    splits = max(1, -(-max_kv_len // chunk))
+    return splits, chunk
+
+
+def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int, chunk: int,
+                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor) -> None:
+    """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
+    ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log)."""
+    from cpattn.attention.merge import LseBase
+    from cpattn.attention.merge_triton import merge_attn_states_triton
+
+    num_tok = tok_idx.numel()
+    if num_tok == 0:
+        return
+    hq, d = q_TQD.shape[1], q_TQD.shape[2]
+    _, ps, hk, _ = k_cache.shape
+    g = hq // hk
+    block_g = max(16, triton.next_power_of_2(g))
+    block_d = triton.next_power_of_2(d)
+    block_n = 64 if d <= 128 else 32
+    grid = (num_tok, hk, splits)
+    common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+                  num_warps=4, num_stages=3)
+    args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens)
+    strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
+    if splits == 1:
+        _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
+                                   0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
+                                   scale * LOG2E, chunk, DIRECT=True, **common)
+        return
+    part_out = torch.empty(splits, num_tok, hq, d, dtype=torch.float32, device=q_TQD.device)
+    part_lse = torch.empty(splits, num_tok, hq, dtype=torch.float32, device=q_TQD.device)
+    _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
+                               part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                               part_lse.stride(0), part_lse.stride(1),
+                               scale * LOG2E, chunk, DIRECT=False, **common)
+    merged, merged_lse = merge_attn_states_triton(part_out, part_lse, LseBase.E, out_dtype=out_TQD.dtype)
+    if num_tok == out_TQD.shape[0]:
+        # tok_idx covers every row exactly once (all decodes): scatter is a permutation.
+        out_TQD[tok_idx] = merged
+        lse_TQ[tok_idx] = merged_lse
+    else:
+        out_TQD.index_copy_(0, tok_idx, merged)
+        lse_TQ.index_copy_(0, tok_idx, merged_lse)
+
+
+def prefill_block_sizes(head_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head size (shared memory bound)."""
+    if head_size <= 64:
+        return 128, 64, 4, 3
+    if head_size <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def make_prefill_tiles(req_ids: list[int], q_starts: list[int], q_lens: list[int], block_m: int,
+                       device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Tiles (request, first token, rows, first query index) for the prefill kernel; the heaviest
+    (last, longest-causal) tiles first so the tail of the grid is short."""
+    tiles = []
+    for r, qs, ql in zip(req_ids, q_starts, q_lens):
+        for j0 in range(0, ql, block_m):
+            tiles.append((r, qs + j0, min(block_m, ql - j0), j0))
+    tiles.sort(key=lambda t: -t[3])
+    if not tiles:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return empty, empty, empty, empty
+    cols = torch.tensor(tiles, dtype=torch.int64).t().contiguous()
+    return tuple(cols[i].to(torch.int32).to(device, non_blocking=True) for i in range(4))
+
+
+def prefill(q_TQD: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
+            tiles: tuple[torch.Tensor, ...], req_seq: torch.Tensor, req_qlen: torch.Tensor, req_kv0: torch.Tensor,
+            causal: bool, scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor) -> None:
+    """Tiled attention for the tokens the ``tiles`` cover. Paged when ``block_table`` is given
+    (k, v: [P, PS, K, D] caches), else ragged (k, v: [T, K, D], request r's keys start at req_kv0[r])."""
+    num_tiles = tiles[0].numel()
+    if num_tiles == 0:
+        return
+    hq, d = q_TQD.shape[1], q_TQD.shape[2]
+    paged = block_table is not None
+    if paged:
+        _, ps, hk, _ = k.shape
+        kstr = (k.stride(0), k.stride(1), k.stride(2))
+        vstr = (v.stride(0), v.stride(1), v.stride(2))
+        bt, bt_stride = block_table, block_table.stride(0)
+    else:
+        ps, hk = 1, k.shape[1]
+        kstr = (0, k.stride(0), k.stride(1))
+        vstr = (0, v.stride(0), v.stride(1))
+        bt, bt_stride = req_kv0, 0
+    block_m, block_n, warps, stages = prefill_block_sizes(d)
+    _prefill_kernel[(num_tiles, hq)](
+        q_TQD, k, v, bt, *tiles, req_seq, req_qlen, req_kv0, out_TQD, lse_TQ,
+        q_TQD.stride(0), q_TQD.stride(1), *kstr, *vstr, bt_stride,
+        out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0),
+        scale * LOG2E,
+        G=hq // hk, D=d, PS=ps, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n,
+        CAUSAL=causal, PAGED=paged, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_kt, stride_vt, stride_ct,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+        tl.store(kc_ptr + slot * stride_ct + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
+                   slot_mapping_T: torch.Tensor) -> None:
+    """``backend.write_kv_cache`` without the host sync: slots < 0 are skipped inside the kernel."""
+    t = slot_mapping_T.numel()
+    if t == 0:
+        return
+    _, nb, ps, hk, d = kv_cache_2NBKD.shape
+    k = k_TKD.reshape(t, hk * d)
+    v = v_TKD.reshape(t, hk * d)
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    if v.stride(1) != 1:
+        v = v.contiguous()
+    flat = kv_cache_2NBKD.view(2, nb * ps, hk * d)
+    row = hk * d
+    block = min(1024, triton.next_power_of_2(row))
+    _write_kv_kernel[(t, triton.cdiv(row, block))](k, v, slot_mapping_T, flat[0], flat[1], k.stride(0), v.stride(0),
+                                                   flat.stride(1), ROW=row, BLOCK=block)

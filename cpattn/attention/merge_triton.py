@@ -1,0 +1,131 @@
+"""GPU merge of partial attention states: one Triton kernel, base-aware, -inf safe, correction fused.
+
+Legend: N partials, T tokens, H heads, D head size.
+Same contract and math as ``merge.merge_attn_states`` (the CPU path and the oracle):
+    l_n in natural log (base-2 LSEs scaled by ln 2 inside the kernel), m = max_n l_n,
+    w_n = exp(l_n - m), o = sum_n w_n o_n / sum_n w_n, l = m + log(sum_n w_n).
+Each program owns one token and a block of heads: a first pass over N finds m, a second
+accumulates the weighted outputs in float32 and writes o and l once, so every input byte is read
+once and every output byte written once. Partials with l_n = -inf are skipped (their outputs may
+hold garbage); rows where every l_n = -inf give o = 0, l = -inf.
+
+``merge_partials`` is what callers use: Triton for CUDA tensors (16/32-bit), torch otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.attention.merge import LseBase, merge_attn_states
+from cpattn.errors import InvalidRequestError
+
+_kernel = None
+
+
+def _get_kernel():
+    """Build the kernel on first use, so importing this module needs no triton."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _merge_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, N, H,
+                      stride_on, stride_ot, stride_oh, stride_ln, stride_lt,
+                      stride_rt, stride_rh, stride_rlt,
+                      to_natural, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_mask = offs_h < H
+        hd_mask = h_mask[:, None] & (offs_d[None, :] < D)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for n in range(N):
+            l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
+            m = tl.maximum(m, l.to(tl.float32) * to_natural)
+        empty = m == float("-inf")
+        m_safe = tl.where(empty, 0.0, m)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n in range(N):
+            l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
+            w = tl.exp(l.to(tl.float32) * to_natural - m_safe)      # -inf -> 0
+            o = tl.load(out_ptr + n * stride_on + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                        mask=hd_mask & (w[:, None] > 0.0), other=0.0)
+            total += w
+            acc += o.to(tl.float32) * w[:, None]
+        inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
+        res = acc * inv[:, None]
+        res_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
+        tl.store(res_ptr + t * stride_rt + offs_h[:, None] * stride_rh + offs_d[None, :],
+                 res.to(res_ptr.dtype.element_ty), mask=hd_mask)
+        tl.store(res_lse_ptr + t * stride_rlt + offs_h, res_lse, mask=h_mask)
+
+    _kernel = _merge_kernel
+    return _kernel
+
+
+def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
+                             lse_base: LseBase = LseBase.E, out_dtype: torch.dtype | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge N partials on the GPU; same arguments and results as ``merge_attn_states``.
+
+    Args:
+        outs_NTHD: [N, T, H, D] CUDA float16/bfloat16/float32 partial outputs (or a list of [T, H, D]).
+        lses_NTH: [N, T, H] their LSEs in ``lse_base`` (or a list of [T, H]).
+        lse_base: base of ``lses_NTH``; the result's LSE is always natural log.
+        out_dtype: dtype of the merged output; default the dtype of ``outs``.
+    Returns:
+        out [T, H, D] and lse [T, H] float32 natural log.
+    """
+    import triton
+
+    outs = torch.stack(list(outs_NTHD)) if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
+    lses = torch.stack(list(lses_NTH)) if isinstance(lses_NTH, (list, tuple)) else lses_NTH
+    if outs.dim() != 4 or lses.dim() != 3 or outs.shape[:3] != lses.shape:
+        raise InvalidRequestError(
+            f"merge_attn_states_triton needs outs [N,T,H,D] and lses [N,T,H] with matching N,T,H; "
+            f"got {tuple(outs.shape)} and {tuple(lses.shape)}")
+    if outs.shape[0] == 0:
+        raise InvalidRequestError("merge_attn_states_triton needs at least one partial (N >= 1)")
+    if not isinstance(lse_base, LseBase):
+        raise InvalidRequestError(f"lse_base must be an LseBase (E or TWO), got {lse_base!r}")
+    n, t, h, d = outs.shape
+    if outs.stride(-1) != 1:
+        outs = outs.contiguous()
+    if lses.stride(-1) != 1:
+        lses = lses.contiguous()
+    res = torch.empty(t, h, d, dtype=out_dtype or outs.dtype, device=outs.device)
+    res_lse = torch.empty(t, h, dtype=torch.float32, device=outs.device)
+    if t == 0:
+        return res, res_lse
+    block_d = triton.next_power_of_2(d)
+    block_h = max(1, min(triton.next_power_of_2(h), max(1, 1024 // block_d)))
+    grid = (t, triton.cdiv(h, block_h))
+    _get_kernel()[grid](outs, lses, res, res_lse, n, h,
+                        outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
+                        res.stride(0), res.stride(1), res_lse.stride(0),
+                        lse_base.to_natural, D=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+    return res, res_lse
+
+
+def merge_partials(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
+                   lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
+    """The service's merge: the Triton kernel for CUDA 16/32-bit tensors, ``merge_attn_states`` otherwise."""
+    first = outs_NTHD[0] if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
+    if first.is_cuda and first.dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_available():
+        return merge_attn_states_triton(outs_NTHD, lses_NTH, lse_base)
+    return merge_attn_states(outs_NTHD, lses_NTH, lse_base)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["merge_attn_states_triton", "merge_partials"]
