@@ -1,0 +1,105 @@
+"""ServiceConfig validation (field, value and fix in every message), YAML loading, and the error hierarchy."""
+
+import pickle
+
+import pytest
+import torch
+
+import cpattn
+from cpattn.config import ServiceConfig, load_config
+from cpattn.errors import (BackendUnavailableError, CapacityError, ConfigError, CpattnError, InvalidRequestError,
+                           ShardLostError)
+
+
+def test_defaults_are_valid():
+    cfg = ServiceConfig()
+    assert (cfg.num_shards, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.block_size) == (4, 32, 8, 128, 16)
+    assert cfg.backend == "auto" and cfg.dtype == "bfloat16" and cfg.torch_dtype is torch.bfloat16
+    assert cpattn.ServiceConfig is ServiceConfig
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(num_q_heads=12, num_kv_heads=8), r"num_q_heads 12 is not a multiple of num_kv_heads 8: pick num_kv_heads"),
+    (dict(head_size=100), r"head_size 100 must be a multiple of 8 and at most 256: use e\.g\. 64"),
+    (dict(head_size=512), r"head_size 512 must be a multiple of 8 and at most 256"),
+    (dict(block_size=16, dcp_interleave=3), r"block_size 16 is not a multiple of dcp_interleave 3: use a dcp_int"),
+    (dict(num_shards=1, kv_replicas=2), r"kv_replicas 2 needs at least as many shards, num_shards is 1: raise"),
+    (dict(backend="flash-attn!"), r"backend 'flash-attn!' is not a backend name: use one of auto, TORCH"),
+    (dict(num_shards=0), r"num_shards=0: .*greater than or equal to 1"),
+    (dict(block_size=-4), r"block_size=-4: .*greater than or equal to 1"),
+    (dict(dtype="int8"), r"dtype='int8': .*'float16', 'bfloat16', 'float32' or 'float64'"),
+    (dict(device="tpu"), r"device='tpu': .*'auto', 'cpu' or 'cuda'"),
+    (dict(rpc_timeout_s=0), r"rpc_timeout_s=0: .*greater than 0"),
+    (dict(num_shard=4), r"unknown field 'num_shard': valid fields are num_shards, num_layers"),
+])
+def test_bad_values_name_field_value_and_fix(fields, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        ServiceConfig(**fields)
+    assert isinstance(info.value, CpattnError) and isinstance(info.value, ValueError)
+
+
+def test_several_bad_fields_are_all_reported():
+    with pytest.raises(ConfigError) as info:
+        ServiceConfig(num_shards=0, num_layers=0)
+    assert "num_shards=0" in str(info.value) and "num_layers=0" in str(info.value)
+
+
+def test_config_is_frozen():
+    cfg = ServiceConfig()
+    with pytest.raises(Exception):
+        cfg.num_shards = 8
+    assert cfg.num_shards == 4
+
+
+def test_derived_values():
+    cfg = ServiceConfig(num_layers=2, num_kv_heads=4, num_q_heads=8, head_size=64, block_size=16, dtype="float32",
+                        kv_cache_bytes_per_shard=10 * 2**20)
+    per_block = 2 * 2 * 16 * 4 * 64 * 4          # layers * (K,V) * tokens * heads * dim * bytes
+    assert cfg.bytes_per_block() == per_block
+    assert cfg.blocks_per_shard() == (10 * 2**20) // per_block
+    assert ServiceConfig(num_blocks_per_shard=7).blocks_per_shard() == 7
+    assert ServiceConfig().resolved_device() == "cpu" and ServiceConfig().resolved_data_plane() == "gloo"
+    gpu = ServiceConfig(num_gpus_per_shard=1)
+    assert gpu.resolved_device() == "cuda" and gpu.resolved_data_plane() == "nccl"
+    # Shards sharing a GPU must not use NCCL (two ranks on one GPU hang).
+    assert ServiceConfig(num_gpus_per_shard=0.25).resolved_data_plane() == "gloo"
+
+
+def test_load_config_yaml_with_overrides(tmp_path):
+    path = tmp_path / "svc.yaml"
+    path.write_text("num_shards: 2\nhead_size: 64\nbackend: TORCH\ndcp_interleave: 16\n")
+    cfg = load_config(path)
+    assert (cfg.num_shards, cfg.head_size, cfg.backend, cfg.dcp_interleave) == (2, 64, "TORCH", 16)
+    cfg = load_config(str(path), num_shards=8, head_size=None)       # None: flag not given, file wins
+    assert (cfg.num_shards, cfg.head_size) == (8, 64)
+    assert cpattn.load_config is load_config
+
+
+def test_load_config_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("head_size: 100\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: head_size 100 must be a multiple of 8"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"bad\.yaml: num_shards=0"):
+        load_config(bad, head_size=64, num_shards=0)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of ServiceConfig fields, got list"):
+        load_config(listy)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == ServiceConfig()
+
+
+@pytest.mark.parametrize("err", [
+    CapacityError("shard 1: needs 5 KV blocks, 2 free", shard=1, needed=5, free=2),
+    ShardLostError("shard 3 died", shard=3, sequences=["a", "b"]),
+    BackendUnavailableError("no backend", {"TORCH": ["dtype int8 not supported"]}),
+    InvalidRequestError("head_size 100 is not 128"),
+    ConfigError("num_shards=0: ..."),
+])
+def test_errors_pickle_across_actors(err):
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)
+    assert vars(back) == vars(err)
+    assert isinstance(back, CpattnError)
