@@ -69,6 +69,13 @@ def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None
     return Service(coordinator, config, owns_service=False, owns_ray=started_ray)
 
 
+MAX_RECOVERIES = 3
+
+
+class _WireError(Exception):
+    """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
+
+
 class Service:
     """A client of one cpattn service. Not thread-safe: one open step at a time per client."""
 
@@ -79,26 +86,46 @@ class Service:
         self._owns_ray = owns_ray
         self._step: Step | None = None
         self._closed = False
+        self._plane: DataPlane | None = None
         self.last_step_timings: dict[str, float] = {}
         timeout = config.rpc_timeout_s
         self.client_id: str = _call(coordinator.register_client.remote(), timeout, "register_client")
         described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
         self.shard_infos: list[dict] = described["shards"]
-        self._shards = _call(coordinator.get_shards.remote(), timeout, "get_shards")
-        self._plane = self._join_data_plane()
+        self._join_data_plane()
 
-    def _join_data_plane(self) -> DataPlane:
+    @property
+    def group_name(self) -> str:
+        return f"{self.client_id}-e{self._epoch}"
+
+    def _join_data_plane(self) -> None:
+        """(Re)build this client's group with the current shards; rank 0 is this process."""
         cfg = self.config
+        current = _call(self._coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
+        self._epoch, self._shards = current["epoch"], current["shards"]
         world = cfg.num_shards + 1
         backend = cfg.resolved_data_plane()
         host = ray.util.get_node_ip_address()
         store = make_store(host, 0, world, True, cfg.collective_timeout_s)
-        joins = [h.join_group.remote(self.client_id, host, store.port, rank + 1, world, backend)
+        joins = [h.join_group.remote(self.group_name, host, store.port, rank + 1, world, backend)
                  for rank, h in enumerate(self._shards)]
-        group = create_group(store, self.client_id, 0, world, backend, cfg.collective_timeout_s)
+        group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
         _call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
         self._store = store   # the store must outlive the group
-        return DataPlane(group, 0, world, backend)
+        self._plane = DataPlane(group, 0, world, backend)
+
+    def _rejoin(self) -> None:
+        """After a shard was replaced: drop the broken group and join a new one."""
+        old = self.group_name
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+        for h in self._shards:
+            try:
+                h.leave_group.remote(old)
+            except Exception:
+                pass
+        self._join_data_plane()
 
     # Sequences ------------------------------------------------------------------------------------
     def add_sequence(self) -> str:
@@ -149,7 +176,7 @@ class Service:
         self._closed = True
         for h in self._shards:
             try:
-                h.leave_group.remote(self.client_id)
+                h.leave_group.remote(self.group_name)
             except Exception:
                 pass
         try:
@@ -188,7 +215,12 @@ class Service:
 
 
 class Step:
-    """One step of a set of sequences; commits when every layer was attended, else rolls back."""
+    """One step of a set of sequences; commits when every layer was attended, else rolls back.
+
+    With kv_replicas=2 a step survives a shard loss: the coordinator replaces and refills the shard,
+    this client rebuilds its group, begins the step again and replays the layers already attended
+    (their outputs are identical, since the restored KV is), so the caller sees only latency.
+    """
 
     def __init__(self, service: Service, request: dict[str, int]):
         self._svc = service
@@ -196,6 +228,8 @@ class Step:
         self._info: dict | None = None
         self._attended: set[int] = set()
         self._state = "new"   # new -> open -> committed | rolled_back
+        self._replay: list[tuple[int, torch.Tensor]] | None = [] if service.config.kv_replicas == 2 else None
+        self.recoveries = 0
         self.timings = {"plan_s": 0.0, "data_plane_s": 0.0, "attention_s": 0.0, "merge_s": 0.0}
 
     @property
@@ -209,15 +243,24 @@ class Step:
     def __enter__(self) -> "Step":
         if self._state != "new":
             raise InvalidRequestError(f"this step is {self._state}: start a new one with svc.step(...)")
-        svc = self._svc
-        if svc._step is not None:
+        if self._svc._step is not None:
             raise InvalidRequestError("a step is already open on this client: steps cannot nest")
-        self._info = _call(svc._coordinator.begin_step.remote(svc.client_id, svc.client_id, self._request),
-                           svc.config.rpc_timeout_s, "begin_step")
-        self.timings["plan_s"] = self._info["plan_s"]
+        self._begin()
         self._state = "open"
-        svc._step = self
+        self._svc._step = self
         return self
+
+    def _begin(self) -> None:
+        svc = self._svc
+        for _ in range(MAX_RECOVERIES + 1):
+            info = _call(svc._coordinator.begin_step.remote(svc.client_id, svc.group_name, self._request, svc._epoch),
+                         svc.config.rpc_timeout_s + svc.config.start_timeout_s, "begin_step")
+            if "rejoin" not in info:
+                self._info = info
+                self.timings["plan_s"] += info["plan_s"]
+                return
+            svc._rejoin()
+        raise ServiceError("the service kept replacing shards while this step began; check `cpattn status`")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of this step's tokens for one layer: q [T, Hq, D], k/v [T, Hk, D] -> out [T, Hq, D]."""
@@ -225,25 +268,82 @@ class Step:
             raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
                                       "use it inside `with svc.step(...) as step:`")
         self._validate(layer, q, k, v)
+        packed = torch.cat([q, k, v], dim=1)
+        for _ in range(MAX_RECOVERIES + 1):
+            try:
+                out = self._wire_attend(layer, packed)
+                break
+            except _WireError as exc:
+                self._recover(str(exc))
+        else:
+            self._fail_closed(f"layer {layer} failed after {MAX_RECOVERIES} shard recoveries")
+        if self._replay is not None:
+            self._replay.append((layer, packed))
+        self._attended.add(layer)
+        return out.to(q.dtype)
+
+    def _wire_attend(self, layer: int, packed: torch.Tensor) -> torch.Tensor:
         cfg = self._svc.config
         plane = self._svc._plane
-        t, hq, hk, d = self.num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
+        t, hq, d = self.num_tokens, cfg.num_q_heads, cfg.head_size
+        wire_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
         try:
             t0 = time.perf_counter()
             plane.send_header(CMD_ATTEND, layer, self._info["step_id"], t)
-            plane.broadcast(torch.cat([q, k, v], dim=1))
-            wire_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-            parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=q.device))
+            plane.broadcast(packed)
+            parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=packed.device))
             t1 = time.perf_counter()
         except Exception as exc:
-            self._fail(f"data plane: {type(exc).__name__}: {exc}")
-            raise AssertionError("unreachable")   # _fail always raises
-        partials = torch.stack(parts[1:]).to(q.device)
-        out, _ = _merge(partials[..., :d], partials[..., d], q.device)
+            raise _WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
+        partials = torch.stack(parts[1:]).to(packed.device)
+        out, _ = _merge(partials[..., :d], partials[..., d], packed.device)
         self.timings["data_plane_s"] += t1 - t0
         self.timings["merge_s"] += time.perf_counter() - t1
-        self._attended.add(layer)
-        return out.to(q.dtype)
+        return out
+
+    def _recover(self, why: str) -> None:
+        """Roll the broken step back; if the service recovered every sequence of it, begin again and replay."""
+        svc = self._svc
+        try:
+            _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
+                  svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+        except BaseException:
+            self._close("rolled_back")
+            raise
+        self._restart(why)
+
+    def _restart(self, why: str) -> None:
+        """After the coordinator rolled this step back and replaced a shard: rejoin, begin again, replay."""
+        svc = self._svc
+        if self._replay is None:
+            self._close("rolled_back")
+            svc._rejoin()
+            raise ServiceError(f"step {self._info['step_id']} was rolled back: {why}; the lost shard was replaced "
+                               "and no sequence of this step lost KV: run the step again "
+                               "(kv_replicas=2 replays it automatically)")
+        self.recoveries += 1
+        if self.recoveries > MAX_RECOVERIES:
+            self._fail_closed(f"step gave up after {MAX_RECOVERIES} shard recoveries ({why})")
+        logger.warning("step %s: %s; shard replaced, replaying %d layers", self._info["step_id"], why,
+                       len(self._replay))
+        svc._rejoin()
+        self._begin()
+        for layer, packed in self._replay:
+            try:
+                self._wire_attend(layer, packed)
+            except _WireError as exc:
+                self._recover(str(exc))   # bounded by MAX_RECOVERIES through self.recoveries
+                return
+
+    def _fail_closed(self, why: str) -> None:
+        svc = self._svc
+        self._close("rolled_back")
+        try:
+            _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why), svc.config.rpc_timeout_s,
+                  "end_step")
+        except CpattnError:
+            pass
+        raise ServiceError(why)
 
     def _validate(self, layer, q, k, v) -> None:
         cfg = self._svc.config
@@ -267,35 +367,55 @@ class Step:
                 raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
                                           "(set nan_policy='allow' to accept them)")
 
-    def _fail(self, why: str) -> None:
-        """A data-plane failure: roll back through the coordinator, which names a lost shard if any."""
-        svc = self._svc
-        self._state = "rolled_back"
-        svc._step = None
-        _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
-              svc.config.rpc_timeout_s + 15, "end_step")
-        raise ServiceError(f"step {self._info['step_id']} rolled back: {why}")
+    def _close(self, state: str) -> None:
+        self._state = state
+        self._svc._step = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._state != "open":
             return
         svc = self._svc
-        commit = exc_type is None and len(self._attended) == svc.config.num_layers
-        try:
-            svc._plane.send_header(CMD_COMMIT if commit else CMD_ABORT, -1, self._info["step_id"], self.num_tokens)
-        except Exception as wire_exc:
-            if exc_type is None:
-                self._fail(f"data plane: {type(wire_exc).__name__}: {wire_exc}")
-            self._state = "rolled_back"
-            svc._step = None
+        timeout = svc.config.rpc_timeout_s + svc.config.start_timeout_s
+        if exc_type is not None or len(self._attended) != svc.config.num_layers:
+            self._abort(raise_errors=exc_type is None)
             return
-        self._state = "committed" if commit else "rolled_back"
-        svc._step = None
-        report = _call(svc._coordinator.end_step.remote(self._info["step_id"], commit, None),
-                       svc.config.rpc_timeout_s + 15, "end_step")
-        self.timings["plan_s"] = report["plan_s"]
+        while True:
+            try:
+                svc._plane.send_header(CMD_COMMIT, -1, self._info["step_id"], self.num_tokens)
+            except Exception as wire_exc:
+                self._recover(f"data plane: {type(wire_exc).__name__}: {wire_exc}")
+                continue
+            try:
+                report = _call(svc._coordinator.end_step.remote(self._info["step_id"], True, None), timeout, "end_step")
+            except BaseException:
+                self._close("rolled_back")
+                raise
+            if not report.get("recovered"):
+                break
+            # A shard died after the last layer: the coordinator rolled the step back; do it again.
+            self._restart(report["failure"])
+        self._close("committed")
+        self.timings["plan_s"] += report["plan_s"]
         self.timings["attention_s"] = report["attention_s"]
         svc.last_step_timings = dict(self.timings)
+
+    def _abort(self, raise_errors: bool) -> None:
+        """Roll back: tell the shards, then the coordinator. Errors surface only if nothing else is raising."""
+        svc = self._svc
+        why = None
+        try:
+            svc._plane.send_header(CMD_ABORT, -1, self._info["step_id"], self.num_tokens)
+        except Exception as wire_exc:
+            why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
+        self._close("rolled_back")
+        try:
+            report = _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
+                           svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+            if report.get("recovered") or why is not None:
+                svc._rejoin()
+        except CpattnError:
+            if raise_errors:
+                raise
 
 
 def _merge(outs_NTHD: torch.Tensor, lses_NTH: torch.Tensor, device: torch.device):

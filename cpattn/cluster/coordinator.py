@@ -3,6 +3,11 @@
 A plain class; ``ray.remote`` is applied in ``cluster.service``. It starts the shard actors in a
 placement group, assigns ranks, builds one ShardStepPlan per rank per step and hands it to each
 shard with a single Ray call; per-layer tensors never pass through here.
+
+Shard loss: a health thread pings shards; a dead or silent shard is replaced in its bundle. With
+kv_replicas=2 the replacement is refilled from the replicas and every sequence continues; with 1
+the sequences that had tokens on it are dropped (using them raises ShardLostError naming them) and
+all others continue. Each replacement bumps ``epoch``: clients then rebuild their data-plane group.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
+from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError
-from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
+from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator
 
 logger = logging.getLogger("cpattn.coordinator")
 
@@ -34,7 +41,7 @@ SHARD_MAX_CONCURRENCY = 64
 class Sequence:
     seq_id: str
     owner: str
-    rows: tuple[int, ...]
+    rows: SequenceRows
     length: int = 0
     in_step: int | None = None
 
@@ -46,6 +53,8 @@ class OpenStep:
     seq_ids: list[str]
     new_lengths: list[int]
     growth: Growth
+    num_tokens: int
+    epoch: int
     refs: list = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     plan_s: float = 0.0
@@ -55,19 +64,24 @@ class Coordinator:
     def __init__(self, config: ServiceConfig):
         self.config = config
         self._lock = threading.RLock()
+        self._recovery_lock = threading.Lock()
         self.shards: list = []          # actor handles, index = rank
         self.shard_infos: list[dict] = []
         self._pg = None
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
-                                            config.dcp_interleave, config.max_sequences)
+                                            config.dcp_interleave, config.max_sequences, config.kv_replicas)
         self.sequences: dict[str, Sequence] = {}
+        self.dropped: dict[str, tuple[int, str]] = {}   # seq_id -> (rank, why): KV lost with a shard
         self.clients: dict[str, dict] = {}
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
-        self.lost: dict[int, str] = {}   # rank -> why
+        self.lost: dict[int, str] = {}       # rank -> why, until replaced
+        self.epoch = 0
         self.num_steps_committed = 0
         self.num_steps_rolled_back = 0
+        self.num_shards_replaced = 0
         self._stop = threading.Event()
+        self.metrics = ServiceMetrics(config.name)
 
     # Lifecycle ------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
@@ -83,16 +97,14 @@ class Coordinator:
                     f"could not place {cfg.num_shards} shards ({cfg.num_cpus_per_shard} CPU, {cfg.num_gpus_per_shard} GPU "
                     f"each, {cfg.placement_strategy}) within {cfg.start_timeout_s}s: the cluster lacks the resources; "
                     "lower num_shards / per-shard resources or add nodes") from None
-            actor_cls = ray.remote(ShardWorker)
-            handles = [
-                actor_cls.options(
-                    num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard,
-                    max_concurrency=SHARD_MAX_CONCURRENCY,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                ).remote(cfg, i)
-                for i in range(cfg.num_shards)]
+            handles = [self._new_shard(i) for i in range(cfg.num_shards)]
             try:
                 infos = ray.get([h.info.remote() for h in handles], timeout=cfg.start_timeout_s)
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, CpattnError):
+                    raise cause from None
+                raise ServiceError(f"a shard failed to start: {exc}") from exc
             except ray.exceptions.RayActorError as exc:
                 raise ServiceError(f"a shard failed to start: {exc}") from exc
             self.shards = handles
@@ -110,11 +122,20 @@ class Coordinator:
                     first["kernel_version"])
         return self.shard_infos
 
-    def describe(self) -> dict:
-        return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost)}
+    def _new_shard(self, bundle_index: int):
+        cfg = self.config
+        return ray.remote(ShardWorker).options(
+            num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
+        ).remote(cfg, bundle_index)
 
-    def get_shards(self) -> list:
-        return list(self.shards)
+    def describe(self) -> dict:
+        return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost),
+                "epoch": self.epoch}
+
+    def get_shards(self) -> dict:
+        with self._lock:
+            return {"epoch": self.epoch, "shards": list(self.shards)}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -134,10 +155,14 @@ class Coordinator:
                 pass
             self._pg = None
 
-    # Health ---------------------------------------------------------------------------------------
+    # Health and recovery --------------------------------------------------------------------------
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_check_interval_s):
-            self.check_shards(timeout_s=max(self.config.health_check_interval_s, 1.0))
+            try:
+                if self.check_shards(timeout_s=max(self.config.health_check_interval_s, 1.0)):
+                    self.recover()
+            except Exception:   # never let the watchdog die; the next round retries
+                logger.exception("health check failed")
 
     def check_shards(self, timeout_s: float | None = None) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
@@ -161,18 +186,54 @@ class Coordinator:
                 logger.error("shard %d lost: %s", rank, why)
         return dict(self.lost)
 
-    def _sequences_on(self, rank: int) -> list[str]:
-        return sorted(s.seq_id for s in self.sequences.values()
-                      if self.allocator.local_tokens(s.length, rank) > 0 or s.in_step is not None)
+    def recover(self) -> None:
+        """Replace every lost shard in its bundle; refill from replicas or drop the sequences it held."""
+        with self._recovery_lock:
+            for rank in sorted(self.lost):
+                self._replace(rank)
 
-    def _raise_if_lost(self) -> None:
-        if self.lost:
-            rank = min(self.lost)
-            affected = self._sequences_on(rank)
+    def _replace(self, rank: int) -> None:
+        cfg = self.config
+        why = self.lost[rank]
+        old = self.shards[rank]
+        try:
+            ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
+        except Exception:
+            pass
+        new = self._new_shard(self.shard_infos[rank]["bundle_index"])
+        info = ray.get(new.info.remote(), timeout=cfg.start_timeout_s)
+        with self._lock:
+            live = [s for s in self.sequences.values()]
+            sources = {self.allocator.replica_holder(rank), self.allocator.primary_of(rank)} - {rank}
+            if cfg.kv_replicas == 2 and not sources & set(self.lost):
+                copies = refill_copies(self.allocator, [s.rows for s in live], rank)
+            else:
+                copies = None
+                for s in live:
+                    if self.allocator.local_tokens(s.length, rank) > 0:
+                        self.dropped[s.seq_id] = (rank, why)
+                        if s.in_step is None:
+                            self.allocator.release(s.rows)
+                            del self.sequences[s.seq_id]
+        for copy in copies or []:
+            pages = self.shards[copy.src].read_blocks.remote(copy.src_blocks)
+            ray.get(new.write_blocks.remote(copy.dst_blocks, pages), timeout=cfg.rpc_timeout_s)
+        with self._lock:
+            self.shards[rank] = new
+            self.shard_infos[rank] = dict(info, rank=rank)
+            del self.lost[rank]
+            self.epoch += 1
+            self.num_shards_replaced += 1
+        logger.warning("shard %d replaced (%s); %s", rank, why,
+                       "refilled from replicas" if copies is not None else "its sequences were dropped")
+
+    def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
+        dropped = [s for s in seq_ids if s in self.dropped]
+        if dropped:
+            rank, why = self.dropped[dropped[0]]
             raise ShardLostError(
-                f"shard {rank} {self.lost[rank]}; sequences {affected} lost KV on it: re-add them (new sequence, "
-                "replay the prompt) after restarting the service, or run with kv_replicas=2",
-                shard=rank, sequences=affected)
+                f"shard {rank} {why}: sequences {dropped} lost KV held there; start them again as new sequences "
+                "(replay the prompt), or run with kv_replicas=2 to survive shard loss", shard=rank, sequences=dropped)
 
     # Clients and sequences ------------------------------------------------------------------------
     def register_client(self) -> str:
@@ -192,17 +253,21 @@ class Coordinator:
                 raise InvalidRequestError(
                     f"the service holds max_sequences={self.config.max_sequences} sequences: free some or raise max_sequences")
             seq_id = "seq-" + secrets.token_urlsafe(16)   # unguessable: the id is the capability
-            self.sequences[seq_id] = Sequence(seq_id, client_id, tuple(self.allocator.add_rows()))
+            self.sequences[seq_id] = Sequence(seq_id, client_id, self.allocator.add_rows())
             return seq_id
 
     def free(self, client_id: str, seq_id: str) -> None:
         with self._lock:
             self._check_client(client_id)
+            if seq_id in self.dropped and seq_id not in self.sequences:
+                del self.dropped[seq_id]
+                return
             seq = self._get_sequence(seq_id)
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}: finish the step first")
-            self.allocator.release(list(seq.rows))
+            self.allocator.release(seq.rows)
             del self.sequences[seq_id]
+            self.dropped.pop(seq_id, None)
 
     def list_sequences(self, client_id: str) -> dict[str, int]:
         with self._lock:
@@ -210,6 +275,7 @@ class Coordinator:
 
     def sequence_length(self, seq_id: str) -> int:
         with self._lock:
+            self._raise_if_unavailable([seq_id])
             return self._get_sequence(seq_id).length
 
     def _check_client(self, client_id: str) -> None:
@@ -223,34 +289,39 @@ class Coordinator:
         return self.sequences[seq_id]
 
     # Steps ----------------------------------------------------------------------------------------
-    def begin_step(self, client_id: str, group_name: str, request: dict) -> dict:
-        """Validate, allocate, plan once, and hand each shard its plan. Nothing changes if it raises."""
+    def begin_step(self, client_id: str, group_name: str, request: dict, epoch: int | None = None) -> dict:
+        """Validate, allocate, plan once, and hand each shard its plan. Nothing changes if it raises.
+
+        A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
+        (nothing planned) and rebuilds its group first.
+        """
         t0 = time.perf_counter()
+        if self.lost:
+            self.recover()
         with self._lock:
-            self._check_client(client_id)
-            self._raise_if_lost()
-            if not isinstance(request, dict) or not request:
-                raise InvalidRequestError(f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
-            seqs, growths, requests = [], [], []
-            for seq_id, n in request.items():
-                seq = self._get_sequence(seq_id)
-                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            try:
+                self._check_client(client_id)
+                if epoch is not None and epoch != self.epoch:
+                    return {"rejoin": self.epoch}
+                if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
-                        f"sequence {seq_id}: num_new_tokens {n!r} must be an int >= 1")
-                if seq.in_step is not None:
-                    raise InvalidRequestError(f"sequence {seq_id} is already in open step {seq.in_step}")
-                seqs.append(seq)
-                growths.append((list(seq.rows), seq.length + n))
-                requests.append(StepRequest(seq.rows, seq.length, n))
-            quota = self.config.max_tokens_per_client
-            if quota is not None:
-                held = sum(s.length for s in self.sequences.values() if s.owner == client_id)
-                extra = sum(request.values())
-                if held + extra > quota:
-                    raise CapacityError(
-                        f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client is "
-                        f"{quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)
-            growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
+                        f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
+                self._raise_if_unavailable(list(request))
+                seqs, growths, requests = [], [], []
+                for seq_id, n in request.items():
+                    seq = self._get_sequence(seq_id)
+                    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                        raise InvalidRequestError(f"sequence {seq_id}: num_new_tokens {n!r} must be an int >= 1")
+                    if seq.in_step is not None:
+                        raise InvalidRequestError(f"sequence {seq_id} is already in open step {seq.in_step}")
+                    seqs.append(seq)
+                    growths.append((seq.rows, seq.length + n))
+                    requests.append(StepRequest(seq.rows, seq.length, n))
+                self._check_quota(client_id, sum(request.values()))
+                growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
+            except CpattnError as exc:
+                self.metrics.record_error(type(exc).__name__)
+                raise
             step_id = self._next_step
             self._next_step += 1
             try:
@@ -261,16 +332,31 @@ class Coordinator:
                 raise
             for seq in seqs:
                 seq.in_step = step_id
-            step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth)
+            step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth,
+                            plans[0].num_tokens, self.epoch)
             self.steps[step_id] = step
             shards = list(self.shards)
         step.refs = [h.run_step.remote(group_name, plan) for h, plan in zip(shards, plans)]
         step.plan_s = time.perf_counter() - t0
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
-                "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s}
+                "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch}
+
+    def _check_quota(self, client_id: str, extra: int) -> None:
+        quota = self.config.max_tokens_per_client
+        if quota is None:
+            return
+        held = sum(s.length for s in self.sequences.values() if s.owner == client_id)
+        if held + extra > quota:
+            raise CapacityError(f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client "
+                                f"is {quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)
 
     def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None) -> dict:
-        """Commit (lengths advance) or roll back (pages return); a shard failure rolls back and raises."""
+        """Commit (lengths advance) or roll back (pages return).
+
+        A failed step is rolled back; lost shards are replaced. Returns ``recovered: True`` when
+        every sequence of the step survived (the client may replay it); raises ShardLostError
+        naming the sequences whose KV was lost otherwise.
+        """
         with self._lock:
             step = self.steps.get(step_id)
             if step is None:
@@ -279,14 +365,14 @@ class Coordinator:
         if failure is None:
             try:
                 reports = ray.get(step.refs, timeout=self.config.rpc_timeout_s)
+                broken = [r["error"] for r in reports if r.get("outcome") == "broken"]
+                if broken:
+                    failure = f"data plane broke on a shard: {broken[0]}"
             except (ray.exceptions.RayError, CpattnError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
-        else:
-            for ref in step.refs:
-                ray.cancel(ref, force=False)
         if failure is not None:
-            self.check_shards(timeout_s=min(self.config.rpc_timeout_s, 10.0))
             commit = False
+            self.check_shards(timeout_s=min(self.config.rpc_timeout_s, 10.0))
         with self._lock:
             self.steps.pop(step_id, None)
             for seq_id, new_len in zip(step.seq_ids, step.new_lengths):
@@ -298,27 +384,46 @@ class Coordinator:
                     seq.length = new_len
             if commit:
                 self.num_steps_committed += 1
+                self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
             else:
                 self.allocator.undo(step.growth)
                 self.num_steps_rolled_back += 1
-            if failure is not None:
-                self._raise_if_lost()
-                raise ServiceError(f"step {step_id} failed and was rolled back: {failure}")
-        return {"plan_s": step.plan_s + max((r.get("plan_s", 0.0) for r in reports), default=0.0),
-                "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
-                "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
+                self.metrics.record_rollback()
+            for rank in range(self.config.num_shards):
+                self.metrics.set_blocks_used(rank, self.allocator.pools[rank].num_used_blocks)
+        if failure is None:
+            return {"plan_s": step.plan_s + max((r.get("plan_s", 0.0) for r in reports), default=0.0),
+                    "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
+                    "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
+        if not self.lost and step.epoch == self.epoch:
+            self.metrics.record_error("ServiceError")
+            raise ServiceError(f"step {step_id} failed and was rolled back: {failure}")
+        self.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
+        with self._lock:
+            # Sequences dropped while in this step are released now that the step is closed.
+            for seq_id in step.seq_ids:
+                seq = self.sequences.get(seq_id)
+                if seq_id in self.dropped and seq is not None:
+                    self.allocator.release(seq.rows)
+                    del self.sequences[seq_id]
+            try:
+                self._raise_if_unavailable(step.seq_ids)
+            except ShardLostError as exc:
+                self.metrics.record_error(type(exc).__name__)
+                raise
+        return {"recovered": True, "epoch": self.epoch, "failure": failure}
 
     def fill_synthetic(self, client_id: str, seq_id: str, num_tokens: int, seed: int) -> int:
         """Append ``num_tokens`` of seeded random KV to a sequence without attention (benchmarks, load tests)."""
         with self._lock:
             self._check_client(client_id)
-            self._raise_if_lost()
+            self._raise_if_unavailable([seq_id])
             seq = self._get_sequence(seq_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
                 raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}")
-            growth = self.allocator.grow([(list(seq.rows), seq.length + num_tokens)])
+            growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])
             plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1)
             seq.in_step = -1
             shards = list(self.shards)
@@ -345,8 +450,9 @@ class Coordinator:
                 info = self.shard_infos[rank] if rank < len(self.shard_infos) else {}
                 shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
                                "tokens": tokens, "bytes": pool.num_used_blocks * bytes_per_block,
-                               "node_ip": info.get("node_ip"), "device": info.get("device"),
-                               "backend": info.get("backend"), "alive": rank not in self.lost})
+                               "node_ip": info.get("node_ip"), "node_id": info.get("node_id"),
+                               "device": info.get("device"), "backend": info.get("backend"),
+                               "alive": rank not in self.lost})
             per_client: dict[str, dict] = {}
             for s in self.sequences.values():
                 c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
@@ -354,5 +460,7 @@ class Coordinator:
                 c["tokens"] += s.length
             return {"shards": shards, "num_sequences": len(self.sequences), "clients": per_client,
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
+                    "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
+                    "kv_replicas": self.config.kv_replicas,
                     "backend": self.shard_infos[0]["backend"] if self.shard_infos else None,
                     "kernel_version": self.shard_infos[0]["kernel_version"] if self.shard_infos else None}

@@ -112,9 +112,13 @@ class ShardWorker:
         sequence's logical KV is reproducible anywhere from ``seed``.
         """
         slots = plan.metadata.slot_mapping.to(self.device)
+        replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         for layer, cache in enumerate(self.kv_caches):
             k, v = synthetic_kv(seed, layer, plan.num_tokens, self.config.num_kv_heads, self.config.head_size)
-            write_kv_cache(cache, k.to(self.device, self.dtype), v.to(self.device, self.dtype), slots)
+            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+            write_kv_cache(cache, k, v, slots)
+            if replica is not None:
+                write_kv_cache(cache, k, v, replica)
         return int((slots >= 0).sum())
 
     # Data plane -----------------------------------------------------------------------------------
@@ -143,8 +147,16 @@ class ShardWorker:
                                                        self.kernel_block_size)
             # Slots are token addresses, identical under both page sizes.
         attn_md = self.builder.build(0, md.to(self.device))
-        pieces = plan.causal_pieces
         timings = {"plan_s": time.perf_counter() - t0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0}
+        try:
+            return self._serve_layers(plane, plan, attn_md, timings)
+        except RuntimeError as exc:
+            # The group broke (a peer died or timed out): report it as data, the coordinator decides.
+            return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
+
+    def _serve_layers(self, plane: DataPlane, plan: ShardStepPlan, attn_md, timings: dict) -> dict:
+        pieces = plan.causal_pieces
+        replica_slots = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         t = plan.num_tokens
@@ -162,6 +174,8 @@ class ShardWorker:
             qkv = plane.broadcast(torch.empty(t, hq + 2 * hk, d, dtype=self.dtype, device=self.device))
             a0 = time.perf_counter()
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+            if replica_slots is not None:
+                write_kv_cache(self.kv_caches[layer], k, v, replica_slots)
             kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
             out, lse = self.impl.forward(layer, q, k, v, kv_cache, attn_md)
             lse = to_natural_lse(lse.to(wire_dtype), self.backend.lse_base)

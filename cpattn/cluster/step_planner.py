@@ -8,7 +8,7 @@ import torch
 
 from cpattn.attention.metadata import CommonAttentionMetadata, make_dcp_context_metadata
 from cpattn.attention.pcp import plan_causal_pieces
-from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+from cpattn.kvstore.sharded_allocator import SequenceRows, ShardedKVAllocator
 
 
 @dataclass
@@ -21,13 +21,15 @@ class ShardStepPlan:
     """Queries vs the shard's context before the step; slot_mapping writes the tokens it owns."""
     causal_pieces: torch.Tensor
     """[P, 3] (q_start, q_end, k_start): this shard's share of the causal part among new tokens."""
+    replica_slot_mapping: torch.Tensor | None = None
+    """(T,) int64: where this shard keeps its copy of ``primary_of(rank)``'s new tokens (-1 elsewhere)."""
 
 
 @dataclass(frozen=True)
 class StepRequest:
     """One sequence in a step: its rows on each shard, tokens held before, tokens added."""
 
-    rows: tuple[int, ...]
+    rows: SequenceRows
     context_len: int
     num_new: int
 
@@ -41,9 +43,16 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
     pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled)
     plans = []
     for rank in range(n):
-        table = allocator.tables[rank].gather([r.rows[rank] for r in requests])
+        table = allocator.tables[rank].gather([r.rows.primary[rank] for r in requests])
         md = make_dcp_context_metadata(query_lens, context_lens, table, allocator.block_size, n, rank,
                                        allocator.interleave)
+        replica_slots = None
+        if allocator.replicas == 2:
+            # The replica rows mirror the owner's layout, so the owner's slot rule applies to them.
+            owner = allocator.primary_of(rank)
+            replica_table = allocator.tables[rank].gather([r.rows.replica[rank] for r in requests])
+            replica_slots = make_dcp_context_metadata(query_lens, context_lens, replica_table, allocator.block_size,
+                                                      n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
-                                   causal_pieces=pieces[rank]))
+                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots))
     return plans
