@@ -196,7 +196,7 @@ class Service:
         if self._plane is not None:
             self._plane.close()
             self._plane = None
-        stop_coordinator(self._coordinator, self.config.rpc_timeout_s)
+        stop_coordinator(self._coordinator, self.config.rpc_timeout_s, self.config)
         if self._owns_ray and ray.is_initialized() and not was_closed:
             ray.shutdown()
 

@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
 from cpattn.cluster.recovery import refill_copies
@@ -29,12 +30,20 @@ from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError
-from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator
+from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 logger = logging.getLogger("cpattn.coordinator")
 
 # Threads per shard actor: one step loop per connected client plus control calls.
 SHARD_MAX_CONCURRENCY = 64
+
+
+def shard_actor_name(service_name: str, bundle_index: int) -> str:
+    return f"{service_name}-shard-{bundle_index}"
+
+
+def placement_group_name(service_name: str) -> str:
+    return f"{service_name}-pg"
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Sequence:
     rows: SequenceRows
     length: int = 0
     in_step: int | None = None
+    persisted_pages: int = -1   # pages the journal holds for this sequence (-1: none yet)
 
 
 @dataclass
@@ -82,6 +92,57 @@ class Coordinator:
         self.num_shards_replaced = 0
         self._stop = threading.Event()
         self.metrics = ServiceMetrics(config.name)
+        # A detached service persists its committed state so Ray can restart this actor without loss.
+        self.journal = CoordinatorJournal(config.namespace, config.name) if config.detached else None
+        self.restored = False
+        if self.journal is not None:
+            meta, records = self.journal.load()
+            if meta is not None:
+                self._restore(meta, records)
+
+    def _restore(self, meta: dict, records: dict) -> None:
+        """Restarted by Ray: re-attach to the detached shards and rebuild sequences from the journal."""
+        cfg = self.config
+        self._pg = ray.util.get_placement_group(placement_group_name(cfg.name))
+        self.shards, self.shard_infos = [], []
+        for rank, bundle in enumerate(meta["bundles"]):
+            handle, info = None, {"bundle_index": bundle, "rank": rank}
+            try:
+                handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
+                info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
+            except Exception as exc:   # gone while we were down: the health thread replaces it
+                self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
+            self.shards.append(handle)
+            self.shard_infos.append(info)
+        restore_allocator(self.allocator, [(SequenceRows(r.primary, r.replica), r.length, r.pages)
+                                           for r in records.values()])
+        for seq_id, r in records.items():
+            seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length)
+            seq.persisted_pages = sum(len(p) for p in self.allocator.pages_of(seq.rows).values())
+            self.sequences[seq_id] = seq
+        self.clients = {c: {"restored": True} for c in meta["clients"]}
+        self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
+        self.restored = True
+        threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
+        logger.warning("coordinator %r restarted: restored %d sequences, %d clients", cfg.name, len(records),
+                       len(self.clients))
+
+    def _persist_meta(self) -> None:
+        if self.journal is not None:
+            self.journal.put_meta({"epoch": self.epoch, "clients": list(self.clients), "dropped": dict(self.dropped),
+                                   "next_step": self._next_step + 1000,   # never reuse a step id after restart
+                                   "bundles": [i["bundle_index"] for i in self.shard_infos]})
+
+    def _persist_sequence(self, seq: Sequence) -> None:
+        """After a commit: the length always, the page lists only when they changed."""
+        if self.journal is None:
+            return
+        pages = self.allocator.pages_of(seq.rows)
+        num_pages = sum(len(p) for p in pages.values())
+        if num_pages != seq.persisted_pages:
+            self.journal.put_pages(seq.seq_id, seq.owner, seq.rows.primary, seq.rows.replica, pages)
+            seq.persisted_pages = num_pages
+        self.journal.put_length(seq.seq_id, seq.length)
 
     # Lifecycle ------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
@@ -89,7 +150,8 @@ class Coordinator:
         cfg = self.config
         try:
             self._pg = placement_group(shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard),
-                                       strategy=cfg.placement_strategy)
+                                       strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
+                                       lifetime="detached" if cfg.detached else None)
             try:
                 ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
             except ray.exceptions.GetTimeoutError:
@@ -116,6 +178,7 @@ class Coordinator:
         except BaseException:
             self._teardown()
             raise
+        self._persist_meta()
         threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
         first = self.shard_infos[0]
         logger.info("cpattn service %r: %d shards, backend %s (%s)", cfg.name, cfg.num_shards, first["backend"],
@@ -124,10 +187,15 @@ class Coordinator:
 
     def _new_shard(self, bundle_index: int):
         cfg = self.config
+        options = {}
+        if cfg.detached:
+            # Detached and named: the shards (and their KV) outlive a coordinator restart.
+            options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
+                       "lifetime": "detached"}
         return ray.remote(ShardWorker).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-        ).remote(cfg, bundle_index)
+            **options).remote(cfg, bundle_index)
 
     def describe(self) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost),
@@ -140,11 +208,14 @@ class Coordinator:
     def shutdown(self) -> None:
         self._stop.set()
         self._teardown()
+        if self.journal is not None:
+            self.journal.clear()
 
     def _teardown(self) -> None:
         for h in self.shards:
             try:
-                ray.kill(h, no_restart=True)
+                if h is not None:
+                    ray.kill(h, no_restart=True)
             except Exception:
                 pass
         self.shards = []
@@ -197,7 +268,8 @@ class Coordinator:
         why = self.lost[rank]
         old = self.shards[rank]
         try:
-            ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
+            if old is not None:
+                ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
         except Exception:
             pass
         new = self._new_shard(self.shard_infos[rank]["bundle_index"])
@@ -224,6 +296,10 @@ class Coordinator:
             del self.lost[rank]
             self.epoch += 1
             self.num_shards_replaced += 1
+            for seq_id in self.dropped:
+                if self.journal is not None and seq_id not in self.sequences:
+                    self.journal.delete_sequence(seq_id)
+            self._persist_meta()
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
@@ -240,11 +316,13 @@ class Coordinator:
         client_id = secrets.token_hex(8)
         with self._lock:
             self.clients[client_id] = {"created": time.time()}
+            self._persist_meta()
         return client_id
 
     def unregister_client(self, client_id: str) -> None:
         with self._lock:
             self.clients.pop(client_id, None)
+            self._persist_meta()
 
     def add_sequence(self, client_id: str) -> str:
         with self._lock:
@@ -253,7 +331,9 @@ class Coordinator:
                 raise InvalidRequestError(
                     f"the service holds max_sequences={self.config.max_sequences} sequences: free some or raise max_sequences")
             seq_id = "seq-" + secrets.token_urlsafe(16)   # unguessable: the id is the capability
-            self.sequences[seq_id] = Sequence(seq_id, client_id, self.allocator.add_rows())
+            seq = Sequence(seq_id, client_id, self.allocator.add_rows())
+            self.sequences[seq_id] = seq
+            self._persist_sequence(seq)
             return seq_id
 
     def free(self, client_id: str, seq_id: str) -> None:
@@ -268,6 +348,8 @@ class Coordinator:
             self.allocator.release(seq.rows)
             del self.sequences[seq_id]
             self.dropped.pop(seq_id, None)
+            if self.journal is not None:
+                self.journal.delete_sequence(seq_id)
 
     def list_sequences(self, client_id: str) -> dict[str, int]:
         with self._lock:
@@ -324,6 +406,8 @@ class Coordinator:
                 raise
             step_id = self._next_step
             self._next_step += 1
+            if self.journal is not None and step_id % 1000 == 0:
+                self._persist_meta()
             try:
                 plans = plan_step(self.allocator, requests, step_id, self.config.pcp_enabled,
                                   self.config.pcp_min_tokens)
@@ -382,6 +466,7 @@ class Coordinator:
                 seq.in_step = None
                 if commit:
                     seq.length = new_len
+                    self._persist_sequence(seq)
             if commit:
                 self.num_steps_committed += 1
                 self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
@@ -437,6 +522,7 @@ class Coordinator:
         with self._lock:
             seq.in_step = None
             seq.length += num_tokens
+            self._persist_sequence(seq)
             return seq.length
 
     # Stats ----------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import os
 
 import ray
 
+from cpattn.attention.registry import backend_names, load_backend_class
 from cpattn.cluster.coordinator import Coordinator
 from cpattn.config import ServiceConfig
-from cpattn.errors import ServiceError
+from cpattn.errors import CpattnError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
@@ -39,10 +40,16 @@ def launch_coordinator(config: ServiceConfig):
     if existing is not None:
         raise ServiceError(f"a service named {config.name!r} already runs in namespace {config.namespace!r}: "
                            f"attach with cpattn.connect(name={config.name!r}) or stop it with `cpattn stop`")
+    if config.backend != "auto" and config.backend.upper() not in backend_names():
+        # A shard dying in __init__ reaches us only as an opaque ActorDiedError: reject unknown names here,
+        # with the registry's typed error listing the valid options, before anything is placed.
+        load_backend_class(config.backend)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
                "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
     if config.detached:
+        # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
+        options["max_restarts"] = -1
     coordinator = ray.remote(Coordinator).options(**options).remote(config)
     try:
         ray.get(coordinator.start.remote(), timeout=config.start_timeout_s + 30)
@@ -53,6 +60,8 @@ def launch_coordinator(config: ServiceConfig):
             pass
         ray.kill(coordinator, no_restart=True)
         if isinstance(exc, ray.exceptions.RayTaskError):
+            if isinstance(exc.cause, CpattnError):
+                raise exc.cause from None
             raise exc.as_instanceof_cause() from None
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             raise ServiceError(f"service {config.name!r} did not start within {config.start_timeout_s}s: "
@@ -69,8 +78,12 @@ def find_coordinator(name: str, namespace: str):
                            "cpattn.start(...) or `cpattn serve`, or pass the right name/namespace") from None
 
 
-def stop_coordinator(coordinator, timeout_s: float) -> None:
-    """Stop shards, remove the placement group, then the coordinator itself."""
+def stop_coordinator(coordinator, timeout_s: float, config: ServiceConfig | None = None) -> None:
+    """Stop shards, remove the placement group, then the coordinator itself.
+
+    With ``config`` of a detached service, also removes what a dead coordinator could leave behind
+    (named shards, the named placement group, the journal).
+    """
     try:
         ray.get(coordinator.shutdown.remote(), timeout=timeout_s)
     except Exception as exc:   # already dead or hung: still kill it below
@@ -79,3 +92,25 @@ def stop_coordinator(coordinator, timeout_s: float) -> None:
         ray.kill(coordinator, no_restart=True)
     except Exception:
         pass
+    if config is not None and config.detached:
+        remove_leftovers(config)
+
+
+def remove_leftovers(config: ServiceConfig) -> None:
+    """Kill a detached service's named shards, remove its placement group and clear its journal."""
+    from ray.util import get_placement_group
+    from ray.util.placement_group import remove_placement_group
+
+    from cpattn.cluster.coordinator import placement_group_name, shard_actor_name
+    from cpattn.cluster.journal import CoordinatorJournal
+
+    for bundle in range(config.num_shards):
+        try:
+            ray.kill(ray.get_actor(shard_actor_name(config.name, bundle), namespace=config.namespace), no_restart=True)
+        except ValueError:
+            pass
+    try:
+        remove_placement_group(get_placement_group(placement_group_name(config.name)))
+    except (ValueError, Exception):
+        pass
+    CoordinatorJournal(config.namespace, config.name).clear()

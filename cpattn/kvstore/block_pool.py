@@ -48,6 +48,16 @@ class BlockPool:
             self._ref_counts[b] = 1
         return blocks
 
+    def take(self, blocks: list[int]) -> None:
+        """Mark specific free blocks as allocated (restoring persisted state)."""
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or self._ref_counts[b] != 0:
+                raise CpattnError(f"cannot take block {b}: out of range or already in use")
+        taken = set(blocks)
+        self._free = deque(b for b in self._free if b not in taken)
+        for b in blocks:
+            self._ref_counts[b] = 1
+
     def incref(self, blocks: list[int]) -> None:
         """Share already-allocated blocks (e.g. a forked prefix)."""
         self._check_owned(blocks, "incref")

@@ -38,6 +38,17 @@ class BlockTable:
         grown[:old_r, :old_w] = self.rows_RW
         self.rows_RW = grown
 
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def claim_row(self, row: int) -> None:
+        """Take a specific free row (restoring persisted state)."""
+        if row not in self._free_rows:
+            raise InvalidRequestError(f"row {row} is not free")
+        self._free_rows.remove(row)
+        self._grow(row + 1, 1)
+
     def can_add_row(self) -> bool:
         return bool(self._free_rows)
 

@@ -70,7 +70,11 @@ class ShardedKVAllocator:
                 yield s, rows.replica[s], self.primary_of(s)
 
     def can_add_row(self) -> bool:
-        return all(len(t._free_rows) >= self.replicas for t in self.tables)
+        return all(t.num_free_rows >= self.replicas for t in self.tables)
+
+    def pages_of(self, rows: SequenceRows) -> dict[tuple[int, int], list[int]]:
+        """(shard, row) -> page ids for every row of a sequence (what the journal persists)."""
+        return {(shard, row): self.tables[shard].row(row) for shard, row, _ in self._entries(rows)}
 
     def add_rows(self) -> SequenceRows:
         """Rows on every shard for a new sequence (primary, and replica when replicated)."""
@@ -115,3 +119,17 @@ class ShardedKVAllocator:
         """Free a sequence's pages on every shard and make its rows reusable."""
         for shard, row, _ in self._entries(rows):
             self.pools[shard].free(self.tables[shard].remove_row(row))
+
+
+def restore_allocator(allocator: ShardedKVAllocator, sequences: list[tuple[SequenceRows, int, dict]]) -> None:
+    """Fill a fresh allocator from persisted (rows, committed length, {(shard, row): pages}).
+
+    Pages beyond what the committed length needs (a step that never committed) are dropped, so
+    they return to the free pool.
+    """
+    for rows, length, pages in sequences:
+        for shard, row, owner in allocator._entries(rows):
+            keep = pages.get((shard, row), [])[:allocator.blocks_for(length, owner)]
+            allocator.pools[shard].take(keep)
+            allocator.tables[shard].claim_row(row)
+            allocator.tables[shard].append(row, keep)
