@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device session: GPU tests + benchmarks, logs and JSON under $OUT. FlashInfer's JIT warms up in
-# the background while the Triton and FlashAttention parts run. Usage (on the GPU machine, after
-# staging flashinfer + fa4): bash benchmarks/run_gpu.sh
+# One device session: GPU tests (three pytest processes side by side), then the benchmarks, logs
+# and JSON under $OUT. FlashInfer's JIT (bf16, D=128) warms up in the background during the tests.
+# Usage, on the GPU machine after staging flashinfer + fa4: bash benchmarks/run_gpu.sh
 set -u
 source /tmp/site/env.sh
 OUT=${OUT:-/tmp/cpattn-out}
@@ -11,18 +11,21 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/timeline.txt"; }
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__)" >"$OUT/versions.txt" 2>&1
 pip list 2>/dev/null | grep -i -E "flash|triton|torch|cutlass" >>"$OUT/versions.txt"
-pids=()
-for c in bfloat16:128 bfloat16:64 bfloat16:256 float16:128; do
-  timeout 420 python3 benchmarks/warm_flashinfer.py "$c" >"$OUT/warm_${c/:/_}.log" 2>&1 &
-  pids+=($!)
-done
-stamp "warm-up started"
-timeout ${T_TESTS_A:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not FLASHINFER" -o addopts="" -rfE \
-  >"$OUT/pytest_a.log" 2>&1; stamp "pytest non-flashinfer rc=$?"
-timeout ${T_BENCH_A:-170} python3 benchmarks/attention_bench.py --backends TRITON,FLASH_ATTN --out "$OUT/bench_a.json" \
-  >"$OUT/bench_a.log" 2>&1; stamp "bench triton+fa rc=$?"
-for p in "${pids[@]}"; do wait "$p"; done; stamp "warm-up done"
-timeout ${T_TESTS_B:-90} python3 -m pytest -q -p no:cacheprovider tests/gpu -k "FLASHINFER" -o addopts="" -rfE \
-  >"$OUT/pytest_b.log" 2>&1; stamp "pytest flashinfer rc=$?"
-timeout ${T_BENCH_B:-90} python3 benchmarks/attention_bench.py --backends FLASHINFER --sections decode,dcp,sweep,prefill \
-  --out "$OUT/bench_b.json" >"$OUT/bench_b.log" 2>&1; stamp "bench flashinfer rc=$?"
+timeout 300 python3 benchmarks/warm_flashinfer.py bfloat16:128 >"$OUT/warm.log" 2>&1 &
+warm=$!
+PYT="python3 -m pytest -q -p no:cacheprovider -o addopts= -rfE --durations=10 tests/gpu"
+timeout ${T_TESTS:-240} $PYT -k "TRITON" >"$OUT/pytest_triton.log" 2>&1 &
+a=$!
+timeout ${T_TESTS:-240} $PYT -k "FLASH_ATTN and not FLASHINFER" >"$OUT/pytest_fa.log" 2>&1 &
+b=$!
+timeout ${T_TESTS:-240} $PYT -k "merge or selection or explicit" >"$OUT/pytest_misc.log" 2>&1 &
+c=$!
+wait $a; stamp "pytest triton rc=$?"
+wait $b; stamp "pytest flash_attn rc=$?"
+wait $c; stamp "pytest merge/selection rc=$?"
+wait $warm; stamp "flashinfer warm rc=$?"
+if [[ "${WITH_FI_TESTS:-0}" == 1 ]]; then
+  timeout 120 $PYT -k "FLASHINFER" >"$OUT/pytest_fi.log" 2>&1; stamp "pytest flashinfer rc=$?"
+fi
+timeout ${T_BENCH:-280} python3 benchmarks/attention_bench.py --backends ${BACKENDS:-TRITON,FLASH_ATTN,FLASHINFER} \
+  --out "$OUT/bench.json" >"$OUT/bench.log" 2>&1; stamp "bench rc=$?"

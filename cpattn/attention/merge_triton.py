@@ -34,7 +34,8 @@ def _get_kernel():
     def _merge_kernel(out_ptr, lse_ptr, res_ptr, res_lse_ptr, N, H,
                       stride_on, stride_ot, stride_oh, stride_ln, stride_lt,
                       stride_rt, stride_rh, stride_rlt,
-                      to_natural, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                      to_natural, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      UNROLL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -42,20 +43,39 @@ def _get_kernel():
         h_mask = offs_h < H
         hd_mask = h_mask[:, None] & (offs_d[None, :] < D)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for n in range(N):
-            l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
-            m = tl.maximum(m, l.to(tl.float32) * to_natural)
-        empty = m == float("-inf")
-        m_safe = tl.where(empty, 0.0, m)
         total = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for n in range(N):
-            l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
-            w = tl.exp(l.to(tl.float32) * to_natural - m_safe)      # -inf -> 0
-            o = tl.load(out_ptr + n * stride_on + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-                        mask=hd_mask & (w[:, None] > 0.0), other=0.0)
-            total += w
-            acc += o.to(tl.float32) * w[:, None]
+        if UNROLL > 0:
+            # Few partials (the DCP merge): unrolled, so all N loads are in flight at once; one
+            # pass with the online rescale (acc and total follow the running max).
+            for n in tl.static_range(UNROLL):
+                l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask,
+                            other=float("-inf")).to(tl.float32) * to_natural
+                o = tl.load(out_ptr + n * stride_on + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                            mask=hd_mask & (l[:, None] > float("-inf")), other=0.0)
+                m_new = tl.maximum(m, l)
+                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_new_safe)                  # 0 while m = -inf
+                w = tl.exp(l - m_new_safe)                      # 0 for an empty partial
+                total = total * alpha + w
+                acc = acc * alpha[:, None] + o.to(tl.float32) * w[:, None]
+                m = m_new
+            empty = m == float("-inf")
+            m_safe = tl.where(empty, 0.0, m)
+        else:
+            # Many partials (split-KV decode): max first, then one weighted pass.
+            for n in range(N):
+                l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
+                m = tl.maximum(m, l.to(tl.float32) * to_natural)
+            empty = m == float("-inf")
+            m_safe = tl.where(empty, 0.0, m)
+            for n in range(N):
+                l = tl.load(lse_ptr + n * stride_ln + t * stride_lt + offs_h, mask=h_mask, other=float("-inf"))
+                w = tl.exp(l.to(tl.float32) * to_natural - m_safe)      # -inf -> 0
+                o = tl.load(out_ptr + n * stride_on + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                            mask=hd_mask & (w[:, None] > 0.0), other=0.0)
+                total += w
+                acc += o.to(tl.float32) * w[:, None]
         inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, total))
         res = acc * inv[:, None]
         res_lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, total)))
@@ -107,7 +127,8 @@ def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_
     _get_kernel()[grid](outs, lses, res, res_lse, n, h,
                         outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
                         res.stride(0), res.stride(1), res_lse.stride(0),
-                        lse_base.to_natural, D=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+                        lse_base.to_natural, D=d, BLOCK_H=block_h, BLOCK_D=block_d,
+                        UNROLL=n if n <= 16 else 0, num_warps=4)
     return res, res_lse
 
 

@@ -207,8 +207,8 @@ class FlashAttentionImpl(AttentionImpl):
         if not pieces:
             return out, lse
         dev = q_TQD.device
-        q_rows = torch.cat([torch.arange(qs, qe) for qs, qe, _ in pieces]).to(dev)
-        k_rows = torch.cat([torch.arange(ks, qe) for _, qe, ks in pieces]).to(dev)
+        q_rows = torch.cat([torch.arange(qs, qe) for qs, qe, _ in pieces]).to(dev, non_blocking=True)
+        k_rows = torch.cat([torch.arange(ks, qe) for _, qe, ks in pieces]).to(dev, non_blocking=True)
         q_lens = torch.tensor([qe - qs for qs, qe, _ in pieces])
         k_lens = torch.tensor([qe - ks for _, qe, ks in pieces])
         cu_q = torch.zeros(len(pieces) + 1, dtype=torch.int32)
@@ -219,8 +219,8 @@ class FlashAttentionImpl(AttentionImpl):
         q = q_TQD if contiguous else q_TQD.index_select(0, q_rows)
         k = k_TKD if contiguous else k_TKD.index_select(0, k_rows)
         v = v_TKD if contiguous else v_TKD.index_select(0, k_rows)
-        o, l_QT = self._call(q, k, v, cu_seqlens_q=cu_q.to(dev), max_q=int(q_lens.max()), causal=True,
-                             cu_seqlens_k=cu_k.to(dev), max_k=int(k_lens.max()))
+        o, l_QT = self._call(q, k, v, cu_seqlens_q=cu_q.to(dev, non_blocking=True), max_q=int(q_lens.max()), causal=True,
+                             cu_seqlens_k=cu_k.to(dev, non_blocking=True), max_k=int(k_lens.max()))
         if contiguous:
             return o, _to_TQ(l_QT, t)
         out.index_copy_(0, q_rows, o)

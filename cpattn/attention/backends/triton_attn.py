@@ -135,9 +135,9 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     tiles = tk.make_prefill_tiles(list(range(len(pieces))), [p[0] for p in pieces], [p[1] - p[0] for p in pieces],
                                   block_m, dev)
     i32 = dict(dtype=torch.int32)
-    req_seq = torch.tensor([qe - ks for _, qe, ks in pieces], **i32).to(dev)
-    req_qlen = torch.tensor([qe - qs for qs, qe, _ in pieces], **i32).to(dev)
-    req_kv0 = torch.tensor([ks for _, _, ks in pieces], **i32).to(dev)
+    req_seq = torch.tensor([qe - ks for _, qe, ks in pieces], **i32).to(dev, non_blocking=True)
+    req_qlen = torch.tensor([qe - qs for qs, qe, _ in pieces], **i32).to(dev, non_blocking=True)
+    req_kv0 = torch.tensor([ks for _, _, ks in pieces], **i32).to(dev, non_blocking=True)
     tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse)
     return out, lse
 

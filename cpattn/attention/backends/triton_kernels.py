@@ -212,11 +212,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
+# length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
+DECODE_CONFIG = dict(waves=4, block_n=64, num_warps=4, num_stages=3)
+
+
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
-                      block_n: int = 64) -> tuple[int, int]:
-    """(S, chunk): enough (token, kv head, split) programs to fill the GPU ~4 waves, chunks a
-    multiple of ``block_n`` and at least 8 tiles long so each split amortizes its merge."""
-    target = 4 * _num_sms(device)
+                      block_n: int | None = None) -> tuple[int, int]:
+    """(S, chunk): enough (token, kv head, split) programs to fill the GPU ``waves`` times, chunks a
+    multiple of the tile length and at least 8 tiles long so each split amortizes its merge."""
+    block_n = block_n or DECODE_CONFIG["block_n"]
+    target = DECODE_CONFIG["waves"] * _num_sms(device)
     programs = max(1, num_tokens * num_kv_heads)
     max_splits = max(1, -(-max_kv_len // (8 * block_n)))
     splits = max(1, min(-(-target // programs), max_splits, 256))
@@ -242,10 +248,11 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
     block_d = triton.next_power_of_2(d)
-    block_n = 64 if d <= 128 else 32
+    cfg = DECODE_CONFIG
+    block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
     grid = (num_tok, hk, splits)
     common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-                  num_warps=4, num_stages=3)
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2)
     args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens)
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
