@@ -1,0 +1,104 @@
+"""Independent float64 oracle and bookkeeping for the service tests; uses no cpattn code on purpose.
+
+Legend: T tokens of a step, L keys of one sequence, Q query heads, K kv heads, D head size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+_names = itertools.count()
+
+
+def unique_name(prefix: str) -> str:
+    """A service name no other test uses, so services never collide in the shared Ray instance."""
+    return f"{prefix}-{next(_names)}-{torch.randint(0, 10**9, ()).item()}"
+
+
+def causal_attention(q_TQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor) -> torch.Tensor:
+    """Full causal attention of the last T positions of a sequence of L keys; float64, GQA by repeat."""
+    t, hq, d = q_TQD.shape
+    l, hk, _ = k_LKD.shape
+    k = k_LKD.double().repeat_interleave(hq // hk, dim=1)          # [L, Q, D]
+    v = v_LKD.double().repeat_interleave(hq // hk, dim=1)
+    scores_QTL = torch.einsum("tqd,lqd->qtl", q_TQD.double(), k) / math.sqrt(d)
+    query_pos = torch.arange(l - t, l)[:, None]
+    mask_TL = torch.arange(l)[None, :] <= query_pos
+    scores_QTL = scores_QTL.masked_fill(~mask_TL, -math.inf)
+    probs = torch.softmax(scores_QTL, dim=-1)
+    return torch.einsum("qtl,lqd->tqd", probs, v)
+
+
+class Oracle:
+    """Every committed token's K/V per (sequence, layer); the reference of a step is computed from it."""
+
+    def __init__(self, cfg, seed: int = 0):
+        self.cfg = cfg
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kv: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def length(self, sid: str) -> int:
+        k, _ = self.kv.get((sid, 0), (None, None))
+        return 0 if k is None else k.shape[0]
+
+    def drop(self, sid: str) -> None:
+        for layer in range(self.cfg.num_layers):
+            self.kv.pop((sid, layer), None)
+
+    def random_qkv(self, t: int):
+        cfg = self.cfg
+        dt = cfg.torch_dtype
+        q = torch.randn(t, cfg.num_q_heads, cfg.head_size, generator=self.gen, dtype=torch.float64).to(dt)
+        k = torch.randn(t, cfg.num_kv_heads, cfg.head_size, generator=self.gen, dtype=torch.float64).to(dt)
+        v = torch.randn(t, cfg.num_kv_heads, cfg.head_size, generator=self.gen, dtype=torch.float64).to(dt)
+        return q, k, v
+
+    def reference(self, request: dict[str, int], layer: int, q, k, v):
+        """Expected output [T, Q, D] (float64) and the K/V histories the step would commit."""
+        cfg = self.cfg
+        outs, new_kv, start = [], {}, 0
+        for sid, n in request.items():
+            empty = torch.zeros(0, cfg.num_kv_heads, cfg.head_size, dtype=torch.float64)
+            k0, v0 = self.kv.get((sid, layer), (empty, empty))
+            kk = torch.cat([k0, k[start:start + n].double()])
+            vv = torch.cat([v0, v[start:start + n].double()])
+            outs.append(causal_attention(q[start:start + n], kk, vv))
+            new_kv[(sid, layer)] = (kk, vv)
+            start += n
+        return torch.cat(outs), new_kv
+
+    def commit(self, new_kv: dict) -> None:
+        self.kv.update(new_kv)
+
+
+def tolerance(cfg) -> float:
+    return {"float64": 1e-10, "float32": 2e-5, "float16": 2e-2, "bfloat16": 5e-2}[cfg.dtype]
+
+
+def run_step(svc, oracle: Oracle, request: dict[str, int], check: bool = True) -> float:
+    """One full step (every layer) checked against the oracle; commits the oracle's history. Returns max error."""
+    t = sum(request.values())
+    pending, worst = {}, 0.0
+    with svc.step(request) as step:
+        for layer in range(oracle.cfg.num_layers):
+            q, k, v = oracle.random_qkv(t)
+            out = step.attend(layer, q, k, v)
+            ref, new_kv = oracle.reference(request, layer, q, k, v)
+            assert out.shape == ref.shape and out.dtype == oracle.cfg.torch_dtype
+            err = (out.double() - ref).abs().max().item()
+            worst = max(worst, err)
+            if check:
+                assert err <= tolerance(oracle.cfg), f"layer {layer} request {request}: max error {err}"
+            pending.update(new_kv)
+    oracle.commit(pending)
+    for sid in request:
+        assert svc.sequence_length(sid) == oracle.length(sid)
+    return worst
+
+
+def local_tokens(seq_len: int, num_shards: int, rank: int, interleave: int) -> int:
+    """Tokens of a sequence of ``seq_len`` on ``rank`` by counting positions: token p lives on (p // I) mod N."""
+    return sum(1 for p in range(seq_len) if (p // interleave) % num_shards == rank)
