@@ -36,6 +36,8 @@ def _call(ref, timeout_s: float, what: str):
     except ray.exceptions.GetTimeoutError:
         raise ServiceError(f"{what} did not answer within {timeout_s}s (rpc_timeout_s): is the service overloaded "
                            "or hung? check `cpattn status`") from None
+    except ray.exceptions.ActorUnavailableError as exc:
+        raise ServiceError(f"{what}: the service is restarting an actor ({exc}); retry shortly") from exc
     except ray.exceptions.RayActorError as exc:
         raise ServiceError(f"{what}: the coordinator is gone ({type(exc).__name__}); restart the service") from exc
 

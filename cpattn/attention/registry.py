@@ -51,6 +51,26 @@ def registry_generation() -> int:
     return _generation
 
 
+def registry_state() -> dict:
+    """This process's registrations (plugin paths, auto order), to replay where backends are selected.
+
+    Shard actors run in other processes: a plugin registered by the caller exists there only if
+    the service hands them this and they call ``apply_registry_state``.
+    """
+    builtin = {m.name: m.value for m in AttentionBackendEnum}
+    return {"paths": {k: v for k, v in _paths.items() if builtin.get(k) != v},
+            "priority": {device: list(order) for device, order in PRIORITY.items()}}
+
+
+def apply_registry_state(state: dict) -> None:
+    """Replay ``registry_state()`` of another process (plugins first, then the auto orders)."""
+    global _generation
+    _paths.update(state.get("paths", {}))
+    for device, order in state.get("priority", {}).items():
+        PRIORITY[device] = list(order)
+    _generation += 1
+
+
 def backend_names() -> list[str]:
     return list(_paths)
 

@@ -71,8 +71,9 @@ class OpenStep:
 
 
 class Coordinator:
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
         self.config = config
+        self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self._lock = threading.RLock()
         self._recovery_lock = threading.Lock()
         self.shards: list = []          # actor handles, index = rank
@@ -195,11 +196,11 @@ class Coordinator:
         return ray.remote(ShardWorker).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index)
+            **options).remote(cfg, bundle_index, self._backend_registry)
 
     def describe(self) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost),
-                "epoch": self.epoch}
+                "epoch": self.epoch, "restored": self.restored}
 
     def get_shards(self) -> dict:
         with self._lock:

@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from cpattn.attention.registry import backend_names, load_backend_class
+from cpattn.attention.registry import backend_names, load_backend_class, registry_state
 from cpattn.cluster.coordinator import Coordinator
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError, ServiceError
@@ -50,7 +50,7 @@ def launch_coordinator(config: ServiceConfig):
         # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
         options["max_restarts"] = -1
-    coordinator = ray.remote(Coordinator).options(**options).remote(config)
+    coordinator = ray.remote(Coordinator).options(**options).remote(config, registry_state())
     try:
         ray.get(coordinator.start.remote(), timeout=config.start_timeout_s + 30)
     except BaseException as exc:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse, write_kv_cache
+from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
@@ -34,8 +35,11 @@ def synthetic_kv(seed: int, layer: int, num_tokens: int, num_kv_heads: int, head
 
 
 class ShardWorker:
-    def __init__(self, config: ServiceConfig, bundle_index: int):
+    def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None):
         self.config = config
+        if backend_registry:
+            # Plugins registered by the process that started the service (register_backend) live there only.
+            apply_registry_state(backend_registry)
         self.bundle_index = bundle_index
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
