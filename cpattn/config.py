@@ -55,7 +55,8 @@ class ServiceConfig(BaseModel):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement group strategy for the shard bundles (SPREAD for multi-node)."""
     data_plane: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend for per-layer tensors: auto = nccl across GPUs, gloo otherwise."""
+    """torch.distributed backend for per-layer tensors: auto = gloo (CUDA tensors are staged through the
+    host); nccl only when the client process has a GPU no shard uses."""
     pcp_enabled: bool = True
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)
@@ -134,10 +135,9 @@ class ServiceConfig(BaseModel):
         return "cuda" if self.num_gpus_per_shard > 0 else "cpu"
 
     def resolved_data_plane(self) -> str:
-        if self.data_plane != "auto":
-            return self.data_plane
-        # Two ranks on one GPU hang in NCCL; only whole-GPU shards use it.
-        return "nccl" if self.resolved_device() == "cuda" and self.num_gpus_per_shard >= 1 else "gloo"
+        # auto is gloo: the client's gateway rank shares a GPU with a shard on one-GPU-per-shard
+        # layouts, and NCCL between two ranks on one GPU hangs. nccl is for gateways on a GPU of their own.
+        return "gloo" if self.data_plane == "auto" else self.data_plane
 
 
 def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:

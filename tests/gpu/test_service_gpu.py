@@ -1,0 +1,57 @@
+"""The service contract on the GPU machine: four shards sharing one GPU (gloo data plane) with each
+GPU backend, checked against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+BACKENDS = ["TORCH", "TRITON", "FLASHINFER", "FLASH_ATTN"]
+
+
+def _usable(backend: str, block_size: int) -> str | None:
+    from cpattn.attention import get_attn_backend
+    from cpattn.errors import BackendUnavailableError
+
+    try:
+        get_attn_backend(backend, head_size=128, dtype=torch.bfloat16, block_size=block_size, num_q_heads=8,
+                         num_kv_heads=2, device="cuda")
+    except BackendUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_service_on_one_gpu_matches_reference(ray_session, backend, interleave):
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle
+
+    why = _usable(backend, 16)
+    if why:
+        pytest.skip(why)
+    cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64)
+    svc = cpattn.start(cfg)
+    try:
+        assert {s["backend"] for s in svc.info()["shards"]} == {backend}
+        oracle = Oracle(cfg, seed=3)
+        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
+        for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
+            t = sum(request.values())
+            pending = {}
+            with svc.step(request) as step:
+                for layer in range(cfg.num_layers):
+                    q, k, v = oracle.random_qkv(t)
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert rel < 1e-2, f"{backend} I={interleave} {request}: relative error {rel:.2e}"
+                    pending.update(new_kv)
+            oracle.commit(pending)
+    finally:
+        svc.shutdown()
