@@ -379,6 +379,9 @@ class Step:
         svc = self._svc
         timeout = svc.config.rpc_timeout_s + svc.config.start_timeout_s
         if exc_type is not None or len(self._attended) != svc.config.num_layers:
+            if exc_type is None:
+                logger.warning("step %s rolled back: %d of %d layers attended (a step commits only when every "
+                               "layer was)", self._info["step_id"], len(self._attended), svc.config.num_layers)
             self._abort(raise_errors=exc_type is None)
             return
         while True:
