@@ -1,0 +1,152 @@
+"""``cpattn``: one command, one subcommand per task; heavy modules load only inside the subcommand run.
+
+    cpattn serve [-c service.yaml] [--num-shards 8 ...] [--address ray://head:10001]
+    cpattn status | stop [--name cpattn] [--namespace cpattn] [--address auto]
+    cpattn submit [--address http://head:8265] -- python examples/long_context_job.py
+    cpattn bench ... | cpattn demo ...      (arguments pass through to the benchmark / demo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+from typing import Sequence
+
+# Fields set by their own flags (--name, --namespace, --address) or fixed by `serve` (detached).
+_SERVICE_FLAG_EXCLUDED = {"name", "namespace", "ray_address", "detached"}
+_PASSTHROUGH = {"bench": "cpattn.launch.bench", "demo": "cpattn.launch.demo"}
+
+
+def _field_docs() -> dict[str, str]:
+    """ServiceConfig's field docstrings (attribute docstrings are not kept by pydantic), for --help."""
+    from cpattn import config
+
+    tree = ast.parse(Path(config.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServiceConfig")
+    docs, last = {}, None
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            last = node.target.id
+        elif (last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+              and isinstance(node.value.value, str)):
+            docs[last] = " ".join(node.value.value.split())
+            last = None
+        else:
+            last = None
+    return docs
+
+
+def _add_target_flags(p: argparse.ArgumentParser, address_help: str) -> None:
+    p.add_argument("--name", default=None, help="name of the service's coordinator actor (default: cpattn)")
+    p.add_argument("--namespace", default=None, help="Ray namespace of the service (default: cpattn)")
+    p.add_argument("--address", default=None, help=address_help)
+
+
+def _add_service_flags(p: argparse.ArgumentParser) -> None:
+    """One --flag per ServiceConfig field; values are strings that pydantic validates (and names on error)."""
+    from cpattn.config import ServiceConfig
+
+    docs = _field_docs()
+    group = p.add_argument_group("service fields (override the YAML file)")
+    for field, info in ServiceConfig.model_fields.items():
+        if field in _SERVICE_FLAG_EXCLUDED:
+            continue
+        default = info.default
+        group.add_argument("--" + field.replace("_", "-"), dest=field, default=None, metavar="V",
+                           help=f"{docs.get(field, '')} (default: {default})".replace("%", "%%"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cpattn", description="Ray-distributed context-parallel attention service.",
+        epilog="Run `cpattn <command> --help` for each command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="start a detached, named service on a Ray cluster",
+        description="Start a detached, named cpattn service from a YAML file and/or flags (flags win). "
+                    "With --address (or ray_address in the file) it joins that cluster and returns once the "
+                    "service is up. Without it, it starts an embedded local Ray instance that lives only as "
+                    "long as this process: serve then blocks until Ctrl-C (or SIGTERM) and stops the service.")
+    serve.add_argument("-c", "--config", help="service YAML (fields of ServiceConfig; see examples/)")
+    _add_target_flags(serve, "Ray cluster to join: 'auto', 'ray://head:10001' or 'head:6379' "
+                             "(default: the file's ray_address, else an embedded local Ray)")
+    _add_service_flags(serve)
+
+    status = sub.add_parser("status", help="shards, nodes, devices, KV blocks, sequences, backend",
+                            description="Describe a running service: shards and where they run, KV blocks "
+                                        "used/free per shard, sequences, the attention backend chosen and its "
+                                        "kernel version.")
+    _add_target_flags(status, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
+    status.add_argument("--json", action="store_true", help="print the raw description and stats as JSON")
+
+    stop = sub.add_parser("stop", help="stop a service (shards, placement group, coordinator)",
+                          description="Stop a running service and release its KV memory and placement group.")
+    _add_target_flags(stop, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
+
+    submit = sub.add_parser(
+        "submit", help="run a script as a Ray job, with this directory as its working_dir",
+        description="Submit ENTRYPOINT as a Ray job (Job Submission SDK) with the working directory uploaded "
+                    "as runtime_env, stream its logs, and exit with the job's status (0 succeeded, 1 failed, "
+                    "2 stopped). Ctrl-C stops the job.",
+        epilog="example: cpattn submit --address http://127.0.0.1:8265 -- python examples/long_context_job.py")
+    submit.add_argument("--address", default=None,
+                        help="Ray dashboard address, e.g. http://head:8265 (default: RAY_ADDRESS, else the local cluster)")
+    submit.add_argument("--working-dir", default=".", help="directory uploaded as the job's working_dir (default: .)")
+    submit.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the job (repeatable)")
+    submit.add_argument("--pip", action="append", default=[], metavar="REQ",
+                        help="pip requirement installed in the job's runtime_env (repeatable)")
+    submit.add_argument("--entrypoint-num-cpus", type=float, default=None, help="CPUs reserved for the entrypoint")
+    submit.add_argument("--submission-id", default=None, help="job id to use (default: generated)")
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return without streaming")
+    submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="command to run, after `--`")
+
+    # These two hand every argument to their own parser; `cpattn bench --help` shows the benchmark's help.
+    sub.add_parser("bench", add_help=False, help="run the service benchmark (benchmarks/service_bench.py)")
+    sub.add_parser("demo", add_help=False, help="run the demo (cpattn.launch.demo)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        return _run_passthrough(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    from cpattn.errors import CpattnError
+
+    try:
+        if args.command == "serve":
+            from cpattn.launch.serve import serve
+
+            return serve(args)
+        if args.command == "status":
+            from cpattn.launch.status import status
+
+            return status(args)
+        if args.command == "stop":
+            from cpattn.launch.status import stop
+
+            return stop(args)
+        if args.command == "submit":
+            from cpattn.launch.submit import submit
+
+            return submit(args)
+    except CpattnError as exc:
+        print(f"cpattn {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _run_passthrough(command: str, rest: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(_PASSTHROUGH[command])
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""``cpattn status`` and ``cpattn stop``: describe or stop a running service by name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from cpattn.launch.common import attach, detach
+
+_STATUS_TIMEOUT_S = 30.0
+
+
+def gather_status(name: str, namespace: str) -> dict:
+    """The coordinator's description (config, shards) and live stats (blocks, sequences) of one service."""
+    import ray
+
+    from cpattn.cluster.service import find_coordinator
+
+    coordinator = find_coordinator(name, namespace)
+    described, stats = ray.get([coordinator.describe.remote(), coordinator.stats.remote()], timeout=_STATUS_TIMEOUT_S)
+    return {"describe": described, "stats": stats}
+
+
+def format_status(status: dict) -> str:
+    cfg = status["describe"]["config"]
+    shards = status["describe"]["shards"]
+    stats = status["stats"]
+    nodes = sorted({s["node_id"] for s in shards})
+    first = shards[0] if shards else {}
+    lines = [
+        f"service {cfg['name']!r} (namespace {cfg['namespace']!r}): {len(shards)} shards on {len(nodes)} node(s)",
+        f"backend {stats.get('backend') or first.get('backend')} ({stats.get('kernel_version') or first.get('kernel_version')}), "
+        f"LSE base {first.get('lse_base')}, dtype {cfg['dtype']}, block_size {cfg['block_size']} "
+        f"(kernel pages {first.get('kernel_block_size')}), dcp_interleave {cfg['dcp_interleave']}, "
+        f"placement {cfg['placement_strategy']}",
+        f"layers {cfg['num_layers']}, heads {cfg['num_q_heads']}q/{cfg['num_kv_heads']}kv x {cfg['head_size']}; "
+        f"sequences {stats['num_sequences']}, clients {len(stats.get('clients', {}))}, "
+        f"steps committed {stats['steps_committed']}, rolled back {stats['steps_rolled_back']}",
+        "",
+        f"{'rank':>4}  {'node_ip':<15} {'node_id':<12} {'device':<8} {'used':>7} {'free':>7} {'tokens':>9} "
+        f"{'KV MiB':>8}  alive",
+    ]
+    by_rank = {s["rank"]: s for s in shards}
+    for row in stats["shards"]:
+        info = by_rank.get(row["rank"], {})
+        lines.append(f"{row['rank']:>4}  {str(row.get('node_ip')):<15} {str(info.get('node_id', ''))[:12]:<12} "
+                     f"{str(row.get('device')):<8} {row['blocks_used']:>7} {row['blocks_free']:>7} {row['tokens']:>9} "
+                     f"{row['bytes'] / 2**20:>8.2f}  {'yes' if row['alive'] else 'LOST'}")
+    lost = status["describe"].get("lost") or {}
+    for rank, why in lost.items():
+        lines.append(f"shard {rank} lost: {why}")
+    return "\n".join(lines)
+
+
+def status(args: argparse.Namespace) -> int:
+    name, namespace = args.name or "cpattn", args.namespace or "cpattn"
+    connected = attach(args.address, namespace)
+    try:
+        result = gather_status(name, namespace)
+    finally:
+        detach(connected)
+    print(json.dumps(result, indent=2, default=str) if args.json else format_status(result))
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    from cpattn.cluster.service import find_coordinator, stop_coordinator
+
+    name, namespace = args.name or "cpattn", args.namespace or "cpattn"
+    connected = attach(args.address, namespace)
+    try:
+        stop_coordinator(find_coordinator(name, namespace), _STATUS_TIMEOUT_S)
+    finally:
+        detach(connected)
+    print(f"stopped cpattn service {name!r} (namespace {namespace!r})")
+    return 0

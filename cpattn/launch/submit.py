@@ -1,0 +1,91 @@
+"""``cpattn submit``: a Ray job through the Job Submission SDK, logs streamed, exit code = job status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from cpattn.errors import ConfigError, ServiceError
+
+# Never uploaded with the working directory: environments, VCS data and caches.
+DEFAULT_EXCLUDES = [".venv", "venv", ".git", "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", "out"]
+
+
+def build_runtime_env(args: argparse.Namespace) -> dict:
+    env_vars = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {item!r} is not KEY=VALUE: write e.g. --env CPATTN_SHARDS=8")
+        env_vars[key] = value
+    runtime_env: dict = {"working_dir": args.working_dir, "excludes": list(DEFAULT_EXCLUDES)}
+    if env_vars:
+        runtime_env["env_vars"] = env_vars
+    if args.pip:
+        runtime_env["pip"] = list(args.pip)
+    return runtime_env
+
+
+def submit(args: argparse.Namespace) -> int:
+    entrypoint = list(args.entrypoint)
+    if entrypoint and entrypoint[0] == "--":
+        entrypoint = entrypoint[1:]
+    if not entrypoint:
+        raise ConfigError("submit needs a command after `--`: e.g. cpattn submit -- python examples/long_context_job.py")
+    import shlex
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(args.address)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        raise ServiceError(f"cannot reach the Ray job server at {args.address or 'RAY_ADDRESS/auto'}: {exc}. "
+                           "Pass --address http://<head>:8265 (the dashboard port); an embedded `cpattn serve` "
+                           "has no job server, use `ray start --head` for jobs") from None
+    job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=build_runtime_env(args),
+                                submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus)
+    print(f"submitted job {job_id}", file=sys.stderr, flush=True)
+    if args.no_wait:
+        print(job_id)
+        return 0
+    try:
+        asyncio.run(_stream_logs(client, job_id))
+    except KeyboardInterrupt:
+        client.stop_job(job_id)
+        print(f"stopping job {job_id}", file=sys.stderr)
+        return 130
+    job_status = _final_status(client, job_id)
+    print(f"job {job_id} {job_status.value}", file=sys.stderr)
+    return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: 2}.get(job_status, 1)
+
+
+def _submit_with_retry(client, timeout_s: float = 60.0, **job) -> str:
+    """submit_job, retried while a freshly started cluster's job agent is not up yet (HTTP 500 'No available agent')."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+async def _stream_logs(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        print(lines, end="", flush=True)
+
+
+def _final_status(client, job_id: str):
+    import time
+
+    # The log stream can end a moment before the job's status turns terminal.
+    deadline = time.monotonic() + 30
+    while True:
+        job_status = client.get_job_status(job_id)
+        if job_status.is_terminal() or time.monotonic() > deadline:
+            return job_status
+        time.sleep(0.5)

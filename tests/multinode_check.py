@@ -1,0 +1,85 @@
+"""A cpattn service on a local multi-node Ray cluster (several raylets on this machine); run as a script.
+
+tests/test_multinode.py runs it in a subprocess because ray.cluster_utils.Cluster needs a Ray of its
+own, and the test session already holds one. Prints one JSON line (``RESULT {...}``) with where the
+shards landed and the error against a float64 reference; exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+
+def dense_reference(q_THD, k_all_SKD, v_all_SKD, num_context: int) -> torch.Tensor:
+    """Causal attention of T new queries at positions num_context.. over the S = num_context + T keys, float64."""
+    t, hq, d = q_THD.shape
+    group = hq // k_all_SKD.shape[1]
+    k = k_all_SKD.double().repeat_interleave(group, dim=1)
+    v = v_all_SKD.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q_THD.double(), k) * d ** -0.5
+    pos_q = torch.arange(num_context, num_context + t)[:, None]
+    pos_k = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+def main() -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import cpattn
+
+    num_nodes = 3
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_0": 1}})
+    try:
+        for i in range(1, num_nodes):
+            cluster.add_node(num_cpus=1, resources={f"node_{i}": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="cpattn", logging_level=logging.WARNING, log_to_driver=False)
+        node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        cfg = cpattn.ServiceConfig(
+            num_shards=num_nodes, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+            dtype="float64", num_blocks_per_shard=64, num_cpus_per_shard=0.5, placement_strategy="SPREAD",
+            pcp_min_tokens=8, name="cpattn-multinode", rpc_timeout_s=60.0, collective_timeout_s=60.0)
+        svc = cpattn.start(cfg)
+        try:
+            shard_nodes = [s["node_id"] for s in svc.info()["shards"]]
+            gen = torch.Generator().manual_seed(0)
+            sids = [svc.add_sequence(), svc.add_sequence()]
+            history = {(sid, layer): (torch.zeros(0, 2, 8, dtype=torch.float64),) * 2
+                       for sid in sids for layer in range(2)}
+            max_err = 0.0
+            # A long prefill (PCP split), a mixed step, then decodes: context spans many blocks on every node.
+            for request in ({sids[0]: 21, sids[1]: 5}, {sids[0]: 3, sids[1]: 12}, {sids[0]: 1, sids[1]: 1}):
+                num = sum(request.values())
+                with svc.step(request) as step:
+                    for layer in range(2):
+                        q, k, v = (torch.randn(num, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+                        out = step.attend(layer, q, k, v)
+                        start = 0
+                        for sid, n in request.items():
+                            k_old, v_old = history[(sid, layer)]
+                            k_all = torch.cat([k_old, k[start:start + n]])
+                            v_all = torch.cat([v_old, v[start:start + n]])
+                            ref = dense_reference(q[start:start + n], k_all, v_all, k_old.shape[0])
+                            max_err = max(max_err, (out[start:start + n] - ref).abs().max().item())
+                            history[(sid, layer)] = (k_all, v_all)
+                            start += n
+            stats = svc.stats()
+        finally:
+            svc.shutdown()
+        result = {"cluster_nodes": sorted(node_ids), "shard_nodes": shard_nodes, "max_err": max_err,
+                  "blocks_used": [s["blocks_used"] for s in stats["shards"]]}
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
