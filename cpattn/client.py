@@ -16,7 +16,7 @@ import ray
 import torch
 
 from cpattn.attention.merge import LseBase, merge_attn_states
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError, InvalidRequestError, ServiceError, ShardLostError
@@ -291,8 +291,7 @@ class Step:
         wire_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
         try:
             t0 = time.perf_counter()
-            plane.send_header(CMD_ATTEND, layer, self._info["step_id"], t)
-            plane.broadcast(packed)
+            plane.send_layer(CMD_ATTEND, layer, self._info["step_id"], packed)
             parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=packed.device))
             t1 = time.perf_counter()
         except Exception as exc:
@@ -385,11 +384,7 @@ class Step:
             self._abort(raise_errors=exc_type is None)
             return
         while True:
-            try:
-                svc._plane.send_header(CMD_COMMIT, -1, self._info["step_id"], self.num_tokens)
-            except Exception as wire_exc:
-                self._recover(f"data plane: {type(wire_exc).__name__}: {wire_exc}")
-                continue
+            # The shards ended the step after the last layer; the coordinator commits it.
             try:
                 report = _call(svc._coordinator.end_step.remote(self._info["step_id"], True, None), timeout, "end_step")
             except BaseException:
@@ -408,8 +403,11 @@ class Step:
         """Roll back: tell the shards, then the coordinator. Errors surface only if nothing else is raising."""
         svc = self._svc
         why = None
+        cfg = svc.config
         try:
-            svc._plane.send_header(CMD_ABORT, -1, self._info["step_id"], self.num_tokens)
+            unused = torch.empty(self.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
+                                 dtype=cfg.torch_dtype)
+            svc._plane.send_layer(CMD_ABORT, -1, self._info["step_id"], unused)
         except Exception as wire_exc:
             why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
         self._close("rolled_back")

@@ -180,6 +180,7 @@ class Coordinator:
             self._teardown()
             raise
         self._persist_meta()
+        self._publish_blocks_used()
         threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
         first = self.shard_infos[0]
         logger.info("cpattn service %r: %d shards, backend %s (%s)", cfg.name, cfg.num_shards, first["backend"],
@@ -305,7 +306,7 @@ class Coordinator:
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
     def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
-        dropped = [s for s in seq_ids if s in self.dropped]
+        dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable
         if dropped:
             rank, why = self.dropped[dropped[0]]
             raise ShardLostError(
@@ -340,7 +341,7 @@ class Coordinator:
     def free(self, client_id: str, seq_id: str) -> None:
         with self._lock:
             self._check_client(client_id)
-            if seq_id in self.dropped and seq_id not in self.sequences:
+            if isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences:
                 del self.dropped[seq_id]
                 return
             seq = self._get_sequence(seq_id)
@@ -351,6 +352,7 @@ class Coordinator:
             self.dropped.pop(seq_id, None)
             if self.journal is not None:
                 self.journal.delete_sequence(seq_id)
+            self._publish_blocks_used()
 
     def list_sequences(self, client_id: str) -> dict[str, int]:
         with self._lock:
@@ -395,6 +397,7 @@ class Coordinator:
                     seq = self._get_sequence(seq_id)
                     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                         raise InvalidRequestError(f"sequence {seq_id}: num_new_tokens {n!r} must be an int >= 1")
+                    self._check_fits(seq, n)
                     if seq.in_step is not None:
                         raise InvalidRequestError(f"sequence {seq_id} is already in open step {seq.in_step}")
                     seqs.append(seq)
@@ -425,6 +428,18 @@ class Coordinator:
         step.plan_s = time.perf_counter() - t0
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
                 "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch}
+
+    def _publish_blocks_used(self) -> None:
+        for rank in range(self.config.num_shards):
+            self.metrics.set_blocks_used(rank, self.allocator.pools[rank].num_used_blocks)
+
+    def _check_fits(self, seq: Sequence, extra: int) -> None:
+        # Also keeps absurd counts (>= 2**63) away from the int64 allocator math.
+        capacity = self.config.num_shards * self.config.blocks_per_shard() * self.config.block_size
+        if seq.length + extra > capacity:
+            raise CapacityError(f"sequence {seq.seq_id}: {seq.length} + {extra} tokens exceed the whole KV cache "
+                                f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
+                                "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
 
     def _check_quota(self, client_id: str, extra: int) -> None:
         quota = self.config.max_tokens_per_client
@@ -475,8 +490,7 @@ class Coordinator:
                 self.allocator.undo(step.growth)
                 self.num_steps_rolled_back += 1
                 self.metrics.record_rollback()
-            for rank in range(self.config.num_shards):
-                self.metrics.set_blocks_used(rank, self.allocator.pools[rank].num_used_blocks)
+            self._publish_blocks_used()
         if failure is None:
             return {"plan_s": step.plan_s + max((r.get("plan_s", 0.0) for r in reports), default=0.0),
                     "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
@@ -507,6 +521,8 @@ class Coordinator:
             seq = self._get_sequence(seq_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
                 raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
+            self._check_fits(seq, num_tokens)
+            self._check_quota(client_id, num_tokens)
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}")
             growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])

@@ -5,10 +5,12 @@ Per-layer tensors travel only here, never through Ray calls (1 ms and up per cal
 process can belong to one group per connected client at the same time. gloo runs on CPU and when
 shards share a GPU (NCCL between two ranks on one GPU hangs); NCCL across GPUs.
 
-Wire protocol per layer, all from rank 0 unless said:
-  header  int64 [4] = (command, layer, step_id, num_tokens)     broadcast
-  qkv     [T, Hq + 2 Hk, D] in the service dtype               broadcast (ATTEND only)
-  partial [T, Hq, D + 1] float32/64 = out | natural-log lse   gather to rank 0 (ATTEND only)
+Wire protocol per layer: two collectives, nothing else.
+  message  uint8 [32 + T (Hq + 2 Hk) D itemsize] = int64 header (command, layer, step_id, T) | q|k|v
+           broadcast from rank 0; an ABORT message has the same size, its payload unused
+  partial  [T, Hq, D + 1] float32/64 = out | natural-log lse, gathered to rank 0
+A shard's step ends after it served every layer (the coordinator, not the shard, decides commit
+or rollback, so no closing message is needed) or on ABORT when the client stops early.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 CMD_ATTEND = 1
-CMD_COMMIT = 2
 CMD_ABORT = 3
+HEADER_BYTES = 32
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.Store:
@@ -73,14 +75,24 @@ class DataPlane:
         self.group.gather(outs, [wire], opts).wait()
         return outs[0] if self.rank == 0 else None
 
-    def send_header(self, command: int, layer: int, step_id: int, num_tokens: int) -> None:
-        self.broadcast(torch.tensor([command, layer, step_id, num_tokens], dtype=torch.int64))
+    def send_layer(self, command: int, layer: int, step_id: int, packed_TXD: torch.Tensor) -> None:
+        """Rank 0: one broadcast carrying the header and the layer's packed q|k|v."""
+        payload = packed_TXD.detach().contiguous().view(-1).view(torch.uint8)
+        message = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=payload.device)
+        message[:HEADER_BYTES].view(torch.int64).copy_(
+            torch.tensor([command, layer, step_id, packed_TXD.shape[0]], dtype=torch.int64))
+        message[HEADER_BYTES:].copy_(payload)
+        self.broadcast(message)
 
-    def recv_header(self) -> tuple[int, int, int, int]:
-        header = torch.zeros(4, dtype=torch.int64)
-        self.broadcast(header)
-        c, layer, step_id, t = header.tolist()
-        return c, layer, step_id, t
+    def recv_layer(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[tuple[int, int, int, int], torch.Tensor]:
+        """Other ranks: the header and the packed [T, X, D] tensor (moved to ``device``)."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        message = torch.empty(HEADER_BYTES + num_tokens * num_heads * head_size * itemsize, dtype=torch.uint8)
+        self.broadcast(message)
+        command, layer, step_id, t = message[:HEADER_BYTES].view(torch.int64).tolist()
+        packed = message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size)
+        return (command, layer, step_id, t), packed.to(device, non_blocking=True)
 
     def close(self) -> None:
         # Dropping the group closes its connections; shutdown() exists only on some backends.

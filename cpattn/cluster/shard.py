@@ -17,7 +17,7 @@ import torch
 
 from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_COMMIT, DataPlane, create_group, make_store
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
@@ -164,18 +164,19 @@ class ShardWorker:
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         t = plan.num_tokens
-        while True:
+        served: set[int] = set()
+        while len(served) < self.config.num_layers:
             while self._hang:
                 time.sleep(0.05)
-            command, layer, step_id, num_tokens = plane.recv_header()
-            if command in (CMD_COMMIT, CMD_ABORT):
-                timings["outcome"] = "commit" if command == CMD_COMMIT else "abort"
+            w0 = time.perf_counter()
+            (command, layer, step_id, num_tokens), qkv = plane.recv_layer(t, hq + 2 * hk, d, self.dtype, self.device)
+            if command == CMD_ABORT:
+                timings["outcome"] = "abort"
                 return timings
-            if command != CMD_ATTEND or step_id != plan.step_id or num_tokens != t:
+            if command != CMD_ATTEND or step_id != plan.step_id or num_tokens != t or layer in served:
                 raise CpattnError(f"shard {self.bundle_index}: unexpected header {(command, layer, step_id, num_tokens)} "
                                   f"in step {plan.step_id} of {t} tokens")
-            w0 = time.perf_counter()
-            qkv = plane.broadcast(torch.empty(t, hq + 2 * hk, d, dtype=self.dtype, device=self.device))
+            served.add(layer)
             a0 = time.perf_counter()
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
             if replica_slots is not None:
@@ -193,3 +194,5 @@ class ShardWorker:
             timings["attention_s"] += a1 - a0
             timings["wire_s"] += (a0 - w0) + (time.perf_counter() - a1)
             timings["layers"] += 1
+        timings["outcome"] = "served"
+        return timings
