@@ -64,12 +64,20 @@ def status(args: argparse.Namespace) -> int:
 
 
 def stop(args: argparse.Namespace) -> int:
+    import ray
+
     from cpattn.cluster.service import find_coordinator, stop_coordinator
+    from cpattn.config import ServiceConfig
 
     name, namespace = args.name or "cpattn", args.namespace or "cpattn"
     connected = attach(args.address, namespace)
     try:
-        stop_coordinator(find_coordinator(name, namespace), _STATUS_TIMEOUT_S)
+        coordinator = find_coordinator(name, namespace)
+        try:   # the config lets stop remove what a dead coordinator left (named shards, placement group)
+            config = ServiceConfig(**ray.get(coordinator.describe.remote(), timeout=_STATUS_TIMEOUT_S)["config"])
+        except Exception:
+            config = None
+        stop_coordinator(coordinator, _STATUS_TIMEOUT_S, config)
     finally:
         detach(connected)
     print(f"stopped cpattn service {name!r} (namespace {namespace!r})")
