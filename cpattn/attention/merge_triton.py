@@ -88,7 +88,8 @@ def _get_kernel():
 
 
 def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
-                             lse_base: LseBase = LseBase.E, out_dtype: torch.dtype | None = None
+                             lse_base: LseBase = LseBase.E, out_dtype: torch.dtype | None = None,
+                             out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N partials on the GPU; same arguments and results as ``merge_attn_states``.
 
@@ -97,6 +98,8 @@ def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_
         lses_NTH: [N, T, H] their LSEs in ``lse_base`` (or a list of [T, H]).
         lse_base: base of ``lses_NTH``; the result's LSE is always natural log.
         out_dtype: dtype of the merged output; default the dtype of ``outs``.
+        out, out_lse: optional [T, H, D] / [T, H] float32 tensors to write into (row stride free,
+            last dimension contiguous), e.g. the caller's output so no copy follows.
     Returns:
         out [T, H, D] and lse [T, H] float32 natural log.
     """
@@ -117,8 +120,8 @@ def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_
         outs = outs.contiguous()
     if lses.stride(-1) != 1:
         lses = lses.contiguous()
-    res = torch.empty(t, h, d, dtype=out_dtype or outs.dtype, device=outs.device)
-    res_lse = torch.empty(t, h, dtype=torch.float32, device=outs.device)
+    res = out if out is not None else torch.empty(t, h, d, dtype=out_dtype or outs.dtype, device=outs.device)
+    res_lse = out_lse if out_lse is not None else torch.empty(t, h, dtype=torch.float32, device=outs.device)
     if t == 0:
         return res, res_lse
     block_d = triton.next_power_of_2(d)

@@ -17,7 +17,7 @@ from cpattn.kvstore import MultipleOf, dcp_local_position, dcp_owner_rank
 # (query_lens, context_lens): decodes have one query; context = keys before the step.
 SHAPES = {
     "small_decode": ([1, 1, 1, 1], [17, 64, 100, 3]),
-    "mixed": ([1, 7, 1, 33, 5, 1], [40, 0, 129, 10, 250, 0]),
+    "mixed": ([1, 7, 1, 33, 5, 1], [40, 0, 5000, 10, 250, 0]),   # the 5000 decode splits KV
     "long_prefill": ([1000, 300], [0, 700]),
     "long_decode": ([1, 1], [20000, 5000]),
 }

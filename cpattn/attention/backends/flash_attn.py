@@ -110,6 +110,8 @@ class FlashAttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor
     """(T,) int64, device."""
+    has_writes: bool
+    """Some new token's K/V lives on this rank (else the KV update launches nothing)."""
     cu_seqlens_q: torch.Tensor
     """(B + 1,) int32, device."""
     seqused_k: torch.Tensor
@@ -138,6 +140,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         i32 = torch.int32
         return FlashAttentionMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
+            has_writes=bool((common.slot_mapping >= 0).any()),
             cu_seqlens_q=common.query_start_loc_cpu.to(i32).to(dev, non_blocking=True),
             seqused_k=seq.to(i32).to(dev, non_blocking=True), cu_seqlens_k=cu_k.to(i32).to(dev, non_blocking=True),
             page_table=common.block_table_tensor.to(dev, non_blocking=True).clamp(min=0).to(i32).contiguous(),
@@ -179,7 +182,8 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
         md: FlashAttentionMetadata = attn_metadata
-        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        if md.has_writes:
+            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if self.generation == "FA2":
             out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,

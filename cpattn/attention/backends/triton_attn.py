@@ -27,6 +27,10 @@ class TritonAttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor
     """(T,) int64, device: cache slot of each new token's K/V, -1 = not written here."""
+    has_writes: bool
+    """Some new token's K/V lives on this rank (else the KV update is skipped: no launch)."""
+    decode_only: bool
+    """Every request is a decode: decode tokens are rows 0 .. T-1 in order."""
     block_table: torch.Tensor
     """(B, W) int64, device: page ids."""
     # decode part (requests with one query)
@@ -71,6 +75,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return TritonAttentionMetadata(
             num_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
+            has_writes=bool((common.slot_mapping >= 0).any()),     # one check per step, not per layer
+            decode_only=len(dec) == common.num_reqs,
             block_table=common.block_table_tensor.to(dev, non_blocking=True),
             dec_tok=torch.tensor([qsl[r] for r in dec], **i32).to(dev, non_blocking=True),
             dec_req=torch.tensor(dec, **i32).to(dev, non_blocking=True),
@@ -87,13 +93,14 @@ class TritonAttentionImpl(AttentionImpl):
         from cpattn.attention.backends import triton_kernels as tk
 
         md: TritonAttentionMetadata = attn_metadata
-        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        if md.has_writes:
+            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
         t, hq, d = q_TQD.shape
         out = torch.empty(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
         lse = torch.empty(t, hq, dtype=torch.float32, device=q_TQD.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         tk.paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
-                        md.num_splits, md.split_chunk, self.spec.scale, out, lse)
+                        md.num_splits, md.split_chunk, self.spec.scale, out, lse, all_rows=md.decode_only)
         tk.prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
                    md.causal, self.spec.scale, out, lse)
         return out, lse
@@ -125,6 +132,12 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     from cpattn.attention.backends import triton_kernels as tk
 
     t, hq, d = q_TQD.shape
+    if _each_token_alone(pieces_P3, t):
+        # A decode-only step: each token sees only itself, softmax over one key.
+        g = hq // k_TKD.shape[1]
+        k_rep = k_TKD.repeat_interleave(g, dim=1)
+        lse = (q_TQD.float() * k_rep.float()).sum(-1) * scale
+        return v_TKD.repeat_interleave(g, dim=1).to(q_TQD.dtype), lse
     out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
     lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
     pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
@@ -140,6 +153,15 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     req_kv0 = torch.tensor([ks for _, _, ks in pieces], **i32).to(dev, non_blocking=True)
     tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse)
     return out, lse
+
+
+def _each_token_alone(pieces_P3: torch.Tensor, num_tokens: int) -> bool:
+    """Pieces are (i, i + 1, i) for i = 0 .. T-1: every token's only key is itself."""
+    if pieces_P3.shape[0] != num_tokens or pieces_P3.is_cuda:
+        return False
+    idx = torch.arange(num_tokens)
+    return bool((pieces_P3[:, 0] == idx).all() and (pieces_P3[:, 1] == idx + 1).all()
+                and (pieces_P3[:, 2] == idx).all())
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -234,9 +234,10 @@ def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
 
 def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int, chunk: int,
-                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor) -> None:
+                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False) -> None:
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
-    ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log)."""
+    ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
+    ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step)."""
     from cpattn.attention.merge import LseBase
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
@@ -267,14 +268,14 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                                part_lse.stride(0), part_lse.stride(1),
                                scale * LOG2E, chunk, DIRECT=False, **common)
-    merged, merged_lse = merge_attn_states_triton(part_out, part_lse, LseBase.E, out_dtype=out_TQD.dtype)
-    if num_tok == out_TQD.shape[0]:
-        # tok_idx covers every row exactly once (all decodes): scatter is a permutation.
-        out_TQD[tok_idx] = merged
-        lse_TQ[tok_idx] = merged_lse
+    if all_rows:
+        # Every token is a decode, in order: the merge writes the output in place.
+        merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)
     else:
-        out_TQD.index_copy_(0, tok_idx, merged)
-        lse_TQ.index_copy_(0, tok_idx, merged_lse)
+        merged, merged_lse = merge_attn_states_triton(part_out, part_lse, LseBase.E, out_dtype=out_TQD.dtype)
+        rows = tok_idx.long()
+        out_TQD.index_copy_(0, rows, merged)
+        lse_TQ.index_copy_(0, rows, merged_lse)
 
 
 def prefill_block_sizes(head_size: int) -> tuple[int, int, int, int]:
