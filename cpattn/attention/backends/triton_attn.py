@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
-                                      AttentionMetadataBuilder, AttentionSelectorConfig)
-from cpattn.attention.backend import write_kv_cache
+                                      AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.merge import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
