@@ -60,7 +60,7 @@ def test_derived_values():
     assert ServiceConfig(num_blocks_per_shard=7).blocks_per_shard() == 7
     assert ServiceConfig().resolved_device() == "cpu" and ServiceConfig().resolved_data_plane() == "gloo"
     gpu = ServiceConfig(num_gpus_per_shard=1)
-    assert gpu.resolved_device() == "cuda" and gpu.resolved_data_plane() == "nccl"
+    assert gpu.resolved_device() == "cuda" and gpu.resolved_data_plane() == "gloo"
     # Shards sharing a GPU must not use NCCL (two ranks on one GPU hang).
     assert ServiceConfig(num_gpus_per_shard=0.25).resolved_data_plane() == "gloo"
 
