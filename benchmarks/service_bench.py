@@ -23,35 +23,44 @@ from pathlib import Path
 import torch
 
 
-def reference_layer_ms(batch: int, context: int, hq: int, hk: int, d: int, block: int, repeats: int) -> float:
-    """One decode layer over [batch x context] tokens in a single process (torch reference backend)."""
-    from cpattn.attention import AttentionSpec, make_causal_metadata
-    from cpattn.attention.backends.torch_ref import TorchReferenceBackend
+def reference_layer_ms(batch: int, context: int, hq: int, hk: int, d: int, block: int, repeats: int,
+                       device: str, dtype: torch.dtype, backend: str) -> float:
+    """One decode layer over [batch x context] tokens in a single process, single backend call."""
+    from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
-    spec = AttentionSpec(hq, hk, d, torch.float32, block)
+    cls = get_attn_backend(backend, head_size=d, dtype=dtype, block_size=block, num_q_heads=hq, num_kv_heads=hk,
+                           device=device)
+    spec = AttentionSpec(hq, hk, d, dtype, block, device)
     pages = -(-(context + 1) // block)
-    cache = torch.randn(TorchReferenceBackend.get_kv_cache_shape(batch * pages, block, hk, d))
+    cache = torch.randn(cls.get_kv_cache_shape(batch * pages, block, hk, d), device=device).to(dtype)
     table = torch.randperm(batch * pages).view(batch, pages)
-    md = make_causal_metadata([1] * batch, [context] * batch, table, block)
-    impl = TorchReferenceBackend.impl_cls(spec)
-    q, k, v = torch.randn(batch, hq, d), torch.randn(batch, hk, d), torch.randn(batch, hk, d)
-    impl.forward(0, q, k, v, cache, md)
+    md = cls.get_builder_cls()(spec).build(0, make_causal_metadata([1] * batch, [context] * batch, table, block).to(device))
+    impl = cls.get_impl_cls()(spec)
+    q, k, v = (torch.randn(batch, h, d, device=device).to(dtype) for h in (hq, hk, hk))
     times = []
-    for _ in range(repeats):
+    for i in range(repeats + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         impl.forward(0, q, k, v, cache, md)
-        times.append(time.perf_counter() - t0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    del cache
     return 1e3 * statistics.median(times)
 
 
 def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq: int, hk: int, d: int, block: int,
-                  repeats: int, max_tokens: int) -> list[dict]:
+                  repeats: int, max_tokens: int, device: str, dtype: str, backend: str) -> list[dict]:
     import cpattn
 
     blocks = max(64, -(-max_tokens // num_shards // block) + 4 * max(b for b, _ in cases))
+    gpu = {"device": "cuda", "num_gpus_per_shard": 1.0 / num_shards, "num_cpus_per_shard": 1} if device == "cuda" else {}
     cfg = cpattn.ServiceConfig(num_shards=num_shards, num_layers=layers, num_q_heads=hq, num_kv_heads=hk,
-                               head_size=d, block_size=block, dtype="float32", num_blocks_per_shard=blocks,
-                               name=f"cpattn-bench-{num_shards}", rpc_timeout_s=600, collective_timeout_s=600)
+                               head_size=d, block_size=block, dtype=dtype, num_blocks_per_shard=blocks, backend=backend,
+                               name=f"cpattn-bench-{num_shards}", rpc_timeout_s=600, collective_timeout_s=600, **gpu)
+    tdtype = cfg.torch_dtype
     svc = cpattn.start(cfg)
     rows = []
     try:
@@ -64,7 +73,7 @@ def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq
                 t0 = time.perf_counter()
                 with svc.step({s: 1 for s in seqs}) as step:
                     for layer in range(layers):
-                        step.attend(layer, torch.randn(batch, hq, d), torch.randn(batch, hk, d), torch.randn(batch, hk, d))
+                        step.attend(layer, *(torch.randn(batch, h, d, device=device).to(tdtype) for h in (hq, hk, hk)))
                 wall = time.perf_counter() - t0
                 if rep:   # the first step warms up
                     samples.append(dict(step.timings, wall_s=wall))
@@ -75,6 +84,7 @@ def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq
             wire = max(0.0, per_layer["data_plane_s"] - per_layer["attention_s"])
             total = per_layer["wall_s"]
             rows.append({"shards": num_shards, "batch": batch, "context": context, "layers": layers,
+                         "device": device, "dtype": dtype, "backend": svc.info()["shards"][0]["backend"],
                          "plan_ms_per_step": 1e3 * med["plan_s"], "plan_ms": per_layer["plan_s"],
                          "data_plane_ms": wire, "attention_ms": per_layer["attention_s"],
                          "merge_ms": per_layer["merge_s"], "total_ms": total,
@@ -105,19 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="8,2,128", help="Hq,Hk,D")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="skip cases with batch*context above this")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: shards share one GPU (gloo data plane), q/k/v live on the GPU")
+    parser.add_argument("--dtype", default=None, help="default float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--backend", default="auto")
     parser.add_argument("--json", default="benchmarks/results/service_bench.json")
     args = parser.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     hq, hk, d = (int(x) for x in args.heads.split(","))
     block = 16
     cases = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))
              if b * c <= args.max_tokens]
-    print(f"cpattn service bench: Hq {hq} Hk {hk} D {d} float32, {args.layers} layers, per-layer ms (medians)")
+    print(f"cpattn service bench: Hq {hq} Hk {hk} D {d} {dtype} on {args.device}, backend {args.backend}, "
+          f"{args.layers} layers, per-layer ms (medians)")
     print(HEADER)
     rows = []
     for n in map(int, args.shards.split(",")):
-        rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens)
-    refs = {(b, c): reference_layer_ms(b, c, hq, hk, d, block, args.repeats) for b, c in cases}
-    print("\nwith the single-process torch reference per layer (ref, ms):")
+        rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens, args.device,
+                              dtype, args.backend)
+    backend = rows[0]["backend"] if rows else "TORCH"
+    refs = {(b, c): reference_layer_ms(b, c, hq, hk, d, block, args.repeats, args.device, getattr(torch, dtype), backend)
+            for b, c in cases}
+    print(f"\nwith one single-process {backend} call per layer on the same shapes (ref, ms):")
     print(HEADER)
     for r in rows:
         r["reference_ms"] = refs[(r["batch"], r["context"])]
@@ -125,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     meta = {"date": date.today().isoformat(), "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+            "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version()}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

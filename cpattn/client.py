@@ -149,7 +149,8 @@ class Service:
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
 
-        The KV written is ``cpattn.cluster.shard.synthetic_kv(seed, layer, num_tokens, Hk, D)``.
+        The KV written is ``cpattn.cluster.shard.synthetic_kv(seed, layer, 0, num_tokens, Hk, D, device)`` (the
+        fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()
         return _call(self._coordinator.fill_synthetic.remote(self.client_id, seq_id, num_tokens, seed),
@@ -364,6 +365,9 @@ class Step:
                                           f"convert with .to(torch.{cfg.dtype})")
             if x.device != q.device:
                 raise InvalidRequestError(f"{name} is on {x.device} but q is on {q.device}: put q, k, v on one device")
+            if x.device.type not in ("cpu", "cuda"):
+                # meta/other devices hold no data to send: they would fail deep inside the data plane.
+                raise InvalidRequestError(f"{name} is on {x.device}: q, k and v must be CPU or CUDA tensors")
             if cfg.nan_policy == "reject" and not bool(torch.isfinite(x).all()):
                 raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
                                           "(set nan_policy='allow' to accept them)")
@@ -405,9 +409,12 @@ class Step:
         why = None
         cfg = svc.config
         try:
-            unused = torch.empty(self.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
-                                 dtype=cfg.torch_dtype)
-            svc._plane.send_layer(CMD_ABORT, -1, self._info["step_id"], unused)
+            # After the last layer the shards have already left the step: an ABORT then would be read
+            # as the next step's first layer and desynchronise the group.
+            if len(self._attended) < cfg.num_layers:
+                unused = torch.empty(self.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
+                                     dtype=cfg.torch_dtype)
+                svc._plane.send_layer(CMD_ABORT, -1, self._info["step_id"], unused)
         except Exception as wire_exc:
             why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
         self._close("rolled_back")

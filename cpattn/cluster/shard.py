@@ -26,11 +26,24 @@ from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_ker
 logger = logging.getLogger("cpattn.shard")
 
 
-def synthetic_kv(seed: int, layer: int, num_tokens: int, num_kv_heads: int, head_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V [T, Hk, D] float32 that fill_synthetic writes for one layer."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + layer)
-    kv = torch.randn(2, num_tokens, num_kv_heads, head_size, generator=gen)
+SYNTHETIC_CHUNK = 1 << 16
+
+
+def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_heads: int, head_size: int,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [T, Hk, D] float32 of tokens [start, start + T) that fill_synthetic writes for one layer.
+
+    Drawn in fixed chunks of SYNTHETIC_CHUNK tokens (each seeded by seed, layer, chunk), so every shard
+    draws the same values on the same device kind, and memory stays bounded for million-token fills.
+    """
+    if start % SYNTHETIC_CHUNK:
+        raise ValueError(f"start {start} must be a multiple of {SYNTHETIC_CHUNK}")
+    parts = []
+    for c in range(start, start + num_tokens, SYNTHETIC_CHUNK):
+        n = min(SYNTHETIC_CHUNK, start + num_tokens - c)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer * 10_007 + c // SYNTHETIC_CHUNK)
+        parts.append(torch.randn(2, n, num_kv_heads, head_size, generator=gen, device=device))
+    kv = torch.cat(parts, dim=1)
     return kv[0], kv[1]
 
 
@@ -112,17 +125,20 @@ class ShardWorker:
     def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
         """Write seeded random K/V for the plan's new tokens this shard owns (benchmarks, load tests).
 
-        Every shard draws the same full [T, Hk, D] per layer and keeps its own tokens, so the
-        sequence's logical KV is reproducible anywhere from ``seed``.
+        Every shard draws the same values (synthetic_kv on its device) and keeps its own tokens, so
+        the sequence's logical KV is reproducible from ``seed``.
         """
         slots = plan.metadata.slot_mapping.to(self.device)
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
+        hk, d = self.config.num_kv_heads, self.config.head_size
         for layer, cache in enumerate(self.kv_caches):
-            k, v = synthetic_kv(seed, layer, plan.num_tokens, self.config.num_kv_heads, self.config.head_size)
-            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
-            write_kv_cache(cache, k, v, slots)
-            if replica is not None:
-                write_kv_cache(cache, k, v, replica)
+            for start in range(0, plan.num_tokens, SYNTHETIC_CHUNK):
+                n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
+                k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)
+                k, v = k.to(self.dtype), v.to(self.dtype)
+                for chunk_slots in (slots, replica):
+                    if chunk_slots is not None:
+                        write_kv_cache(cache, k, v, chunk_slots[start:start + n])
         return int((slots >= 0).sum())
 
     # Data plane -----------------------------------------------------------------------------------
