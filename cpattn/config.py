@@ -81,6 +81,9 @@ class ServiceConfig(BaseModel):
     """Time allowed for shards to be placed and start."""
     health_check_interval_s: float = Field(1.0, gt=0)
     """How often the coordinator checks that shards are alive (replica failover)."""
+    shard_hang_timeout_s: float = Field(30.0, gt=0)
+    """A live shard that does not answer a ping for this long is declared hung and replaced. Keep it above
+    the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
 

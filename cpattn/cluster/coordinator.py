@@ -232,7 +232,7 @@ class Coordinator:
     def _health_loop(self) -> None:
         while not self._stop.wait(self.config.health_check_interval_s):
             try:
-                if self.check_shards(timeout_s=max(self.config.health_check_interval_s, 1.0)):
+                if self.check_shards(timeout_s=self.config.shard_hang_timeout_s):
                     self.recover()
             except Exception:   # never let the watchdog die; the next round retries
                 logger.exception("health check failed")
@@ -472,7 +472,7 @@ class Coordinator:
                 failure = f"{type(exc).__name__}: {exc}"
         if failure is not None:
             commit = False
-            self.check_shards(timeout_s=min(self.config.rpc_timeout_s, 10.0))
+            self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))
         with self._lock:
             self.steps.pop(step_id, None)
             for seq_id, new_len in zip(step.seq_ids, step.new_lengths):
