@@ -1,0 +1,90 @@
+"""Helpers for the reliability tests: shard handles, KV fingerprints, waiting for recoveries, checked steps.
+
+The expected outputs always come from ``service_oracle`` (float64, no cpattn code).
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from service_oracle import Oracle, tolerance
+
+RPC_S = 60.0   # generous: other agents load the 2-core machine while these tests run
+
+
+def current_shards(svc) -> list:
+    """The coordinator's shard handles now (svc._shards goes stale until the client rejoins)."""
+    return ray.get(svc._coordinator.get_shards.remote(), timeout=RPC_S)["shards"]
+
+
+def kv_checksums(svc) -> list[float]:
+    return ray.get([h.kv_checksum.remote() for h in current_shards(svc)], timeout=RPC_S)
+
+
+def snapshot(svc, clients=(), with_kv: bool = True) -> dict:
+    """Everything a rejected request must leave untouched: KV bytes, lengths, pages, per-client usage."""
+    stats = svc.stats()
+    snap = {"sequences": [c.sequences() for c in (svc, *clients)],
+            "shards": [(s["blocks_used"], s["blocks_free"], s["tokens"], s["bytes"]) for s in stats["shards"]],
+            "clients": stats["clients"], "num_sequences": stats["num_sequences"], "epoch": stats["epoch"],
+            "shards_replaced": stats["shards_replaced"]}
+    if with_kv:
+        snap["kv"] = kv_checksums(svc)
+    return snap
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def kill_shard(svc, rank: int, wait_dead: bool = True) -> None:
+    """ray.kill the shard of ``rank``; with wait_dead, return only once it no longer answers."""
+    handle = current_shards(svc)[rank]
+    ray.kill(handle, no_restart=True)
+    if wait_dead:
+        def dead() -> bool:
+            try:
+                ray.get(handle.ping.remote(), timeout=RPC_S)
+                return False
+            except ray.exceptions.RayActorError:
+                return True
+        wait_for(dead, 60, f"shard {rank} to die")
+
+
+def wait_replaced(svc, count: int, timeout_s: float = 90.0) -> float:
+    """Wait until stats shards_replaced reaches ``count``; returns the seconds it took."""
+    t0 = time.monotonic()
+    wait_for(lambda: svc.stats()["shards_replaced"] >= count, timeout_s, f"shards_replaced >= {count}", 0.05)
+    return time.monotonic() - t0
+
+
+def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None, tol: float | None = None):
+    """One full step checked layer by layer against the float64 oracle; ``after_layer(step, layer)`` runs
+    between layers (fault injection). Commits the oracle's history; returns (step, worst error)."""
+    tol = tolerance(oracle.cfg) if tol is None else tol
+    t = sum(request.values())
+    pending, worst = {}, 0.0
+    with svc.step(request) as step:
+        for layer in range(oracle.cfg.num_layers):
+            q, k, v = oracle.random_qkv(t)
+            out = step.attend(layer, q, k, v)
+            ref, new_kv = oracle.reference(request, layer, q, k, v)
+            assert out.shape == ref.shape and bool(out.isfinite().all())
+            err = (out.double() - ref).abs().max().item()
+            assert err <= tol, f"layer {layer} of {request}: max error {err} > {tol}"
+            worst = max(worst, err)
+            pending.update(new_kv)
+            if after_layer is not None:
+                after_layer(step, layer)
+    oracle.commit(pending)
+    for sid in request:
+        assert svc.sequence_length(sid) == oracle.length(sid)
+    return step, worst
