@@ -1,0 +1,25 @@
+"""Blocking Ray calls with a timeout, and Ray's errors turned into cpattn's."""
+
+from __future__ import annotations
+
+import ray
+
+from cpattn.errors import CpattnError, ServiceError
+
+
+def call(ref, timeout_s: float, what: str):
+    """ray.get with a timeout; our own errors come back as themselves, Ray's as ServiceError."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, CpattnError):
+            raise cause from None
+        raise ServiceError(f"{what} failed: {exc}") from exc
+    except ray.exceptions.GetTimeoutError:
+        raise ServiceError(f"{what} did not answer within {timeout_s}s (rpc_timeout_s): is the service overloaded "
+                           "or hung? check `cpattn status`") from None
+    except ray.exceptions.ActorUnavailableError as exc:
+        raise ServiceError(f"{what}: the service is restarting an actor ({exc}); retry shortly") from exc
+    except ray.exceptions.RayActorError as exc:
+        raise ServiceError(f"{what}: the coordinator is gone ({type(exc).__name__}); restart the service") from exc
