@@ -42,3 +42,24 @@ def test_spread_places_shards_on_every_node_and_stays_exact():
     assert sorted(result["shard_nodes"]) == result["cluster_nodes"]
     assert result["max_err"] < 1e-12, result
     assert all(n > 0 for n in result["blocks_used"])
+
+
+def test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact():
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "multinode_node_loss.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT / "tests", start_new_session=True,
+                            env={**_env(), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, stderr[-4000:]
+    result = json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert result["shards_replaced"] >= 1
+    assert result["removed"] not in result["shard_nodes_after"]
+    assert result["spare"] in result["shard_nodes_after"]
+    assert result["max_err"] < 1e-12, result

@@ -201,7 +201,8 @@ class Coordinator:
 
     def describe(self) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost),
-                "epoch": self.epoch, "restored": self.restored}
+                "epoch": self.epoch, "restored": self.restored,
+                "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
     def get_shards(self) -> dict:
         with self._lock:
@@ -274,8 +275,7 @@ class Coordinator:
                 ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
         except Exception:
             pass
-        new = self._new_shard(self.shard_infos[rank]["bundle_index"])
-        info = ray.get(new.info.remote(), timeout=cfg.start_timeout_s)
+        new, info = self._start_replacement(self.shard_infos[rank]["bundle_index"])
         with self._lock:
             live = [s for s in self.sequences.values()]
             sources = {self.allocator.replica_holder(rank), self.allocator.primary_of(rank)} - {rank}
@@ -304,6 +304,19 @@ class Coordinator:
             self._persist_meta()
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
+
+    def _start_replacement(self, bundle_index: int):
+        """A new shard in the bundle. When a node died, Ray may first place it on that node (not yet known
+        dead) and then move the bundle: keep trying until start_timeout_s."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            new = self._new_shard(bundle_index)
+            try:
+                return new, ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
         dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable

@@ -1,0 +1,98 @@
+"""A node holding a shard leaves a local multi-node Ray cluster; with kv_replicas=2 the service refills a
+replacement on a spare node and every sequence continues exactly. Run as a script (tests/test_multinode.py).
+
+Prints ``RESULT {...}`` (nodes before/after, replaced count, max error vs float64); exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import torch
+
+from multinode_check import dense_reference
+
+
+def main() -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import cpattn
+
+    # The head runs the driver and the coordinator (0 CPUs: no shard bundle lands there).
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        workers = [cluster.add_node(num_cpus=1) for _ in range(3)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="cpattn", logging_level=logging.WARNING, log_to_driver=False)
+        cfg = cpattn.ServiceConfig(
+            num_shards=3, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4, dtype="float64",
+            num_blocks_per_shard=64, num_cpus_per_shard=1, placement_strategy="SPREAD", kv_replicas=2,
+            pcp_min_tokens=8, name="cpattn-node-loss", rpc_timeout_s=60.0, collective_timeout_s=20.0,
+            health_check_interval_s=0.5, start_timeout_s=120.0)
+        svc = cpattn.start(cfg)
+        try:
+            info = svc.info()
+            coordinator_node = info["coordinator_node_id"]
+            shard_nodes = [s["node_id"] for s in info["shards"]]
+            gen = torch.Generator().manual_seed(1)
+            sids = [svc.add_sequence(), svc.add_sequence()]
+            history = {(sid, layer): (torch.zeros(0, 2, 8, dtype=torch.float64),) * 2
+                       for sid in sids for layer in range(2)}
+            max_err = 0.0
+
+            def step(request):
+                nonlocal max_err
+                num = sum(request.values())
+                with svc.step(request) as st:
+                    for layer in range(2):
+                        q, k, v = (torch.randn(num, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+                        out = st.attend(layer, q, k, v)
+                        start = 0
+                        for sid, n in request.items():
+                            k_old, v_old = history[(sid, layer)]
+                            k_all = torch.cat([k_old, k[start:start + n]])
+                            v_all = torch.cat([v_old, v[start:start + n]])
+                            ref = dense_reference(q[start:start + n], k_all, v_all, k_old.shape[0])
+                            max_err = max(max_err, (out[start:start + n] - ref).abs().max().item())
+                            history[(sid, layer)] = (k_all, v_all)
+                            start += n
+
+            step({sids[0]: 21, sids[1]: 5})
+            step({sids[0]: 1, sids[1]: 1})
+            spare = cluster.add_node(num_cpus=1)          # room for the replacement
+            cluster.wait_for_nodes()
+            victim = next(w for w in workers if w.node_id in shard_nodes and w.node_id != coordinator_node)
+            cluster.remove_node(victim, allow_graceful=False)
+            # The lost node's worker processes can outlive its raylet for a while; keep stepping (each step
+            # checked) until Ray has declared the node dead and the shard was replaced and refilled.
+            t0 = time.monotonic()
+            steps_during = 0
+            while svc.stats()["shards_replaced"] < 1:
+                if time.monotonic() - t0 > 120:
+                    raise RuntimeError("the shard on the removed node was not replaced within 120 s")
+                step({sids[0]: 1, sids[1]: 1})
+                steps_during += 1
+                time.sleep(0.5)
+            recovery_s = time.monotonic() - t0
+            step({sids[0]: 2, sids[1]: 3})
+            step({sids[0]: 1, sids[1]: 1})
+            after = svc.info()
+            stats = svc.stats()
+        finally:
+            svc.shutdown()
+        result = {"shard_nodes_before": shard_nodes, "shard_nodes_after": [s["node_id"] for s in after["shards"]],
+                  "removed": victim.node_id, "spare": spare.node_id, "shards_replaced": stats["shards_replaced"],
+                  "recovery_s": recovery_s, "steps_during_recovery": steps_during, "max_err": max_err}
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
