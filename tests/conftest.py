@@ -15,7 +15,7 @@ def ray_session():
     if ray.is_initialized():   # another fixture or test already started it
         yield ray
         return
-    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     try:
         yield ray
     finally:

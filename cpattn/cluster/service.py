@@ -24,8 +24,9 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
     if address is None:
         # Logical CPUs: enough for every shard bundle even on a 2-core machine; shards mostly wait on data.
         num_cpus = max(os.cpu_count() or 1, int(num_cpus_hint) + 2)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=namespace, logging_level=logging.WARNING,
-                 configure_logging=True, log_to_driver=True)
+        # address="local": always a fresh embedded instance, never a `ray start` cluster found on the machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
+                 logging_level=logging.WARNING, configure_logging=True, log_to_driver=True)
     else:
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
     return True
