@@ -129,10 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpattn service bench: Hq {hq} Hk {hk} D {d} {dtype} on {args.device}, backend {args.backend}, "
           f"{args.layers} layers, per-layer ms (medians)")
     print(HEADER)
+    import ray
+
+    meta = {"date": date.today().isoformat(), "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+            "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),
+            "heads": [hq, hk, d], "dtype": dtype, "layers": args.layers}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in map(int, args.shards.split(",")):
         rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens, args.device,
                               dtype, args.backend)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))   # keep what ran if a later size fails
     backend = rows[0]["backend"] if rows else "TORCH"
     refs = {(b, c): reference_layer_ms(b, c, hq, hk, d, block, args.repeats, args.device, getattr(torch, dtype), backend)
             for b, c in cases}
@@ -141,13 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["reference_ms"] = refs[(r["batch"], r["context"])]
         print(_fmt(r, r["reference_ms"]))
-    import ray
-
-    meta = {"date": date.today().isoformat(), "machine": platform.node(), "cpus": __import__("os").cpu_count(),
-            "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version()}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
     return 0
