@@ -27,6 +27,31 @@ def dense_reference(q_THD, k_all_SKD, v_all_SKD, num_context: int) -> torch.Tens
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 
 
+def new_history(sids: list[str], layers: int = 2, kv_heads: int = 2, head_size: int = 8) -> dict:
+    """Every committed token's K/V per (sequence, layer), empty to start."""
+    empty = torch.zeros(0, kv_heads, head_size, dtype=torch.float64)
+    return {(sid, layer): (empty, empty) for sid in sids for layer in range(layers)}
+
+
+def checked_step(svc, history: dict, request: dict[str, int], gen: torch.Generator) -> float:
+    """One step of random float64 q/k/v (Hq 4, Hk 2, D 8, 2 layers) against dense_reference; returns max error."""
+    num = sum(request.values())
+    max_err = 0.0
+    with svc.step(request) as step:
+        for layer in range(2):
+            q, k, v = (torch.randn(num, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+            out = step.attend(layer, q, k, v)
+            start = 0
+            for sid, n in request.items():
+                k_old, v_old = history[(sid, layer)]
+                k_all, v_all = torch.cat([k_old, k[start:start + n]]), torch.cat([v_old, v[start:start + n]])
+                ref = dense_reference(q[start:start + n], k_all, v_all, k_old.shape[0])
+                max_err = max(max_err, (out[start:start + n] - ref).abs().max().item())
+                history[(sid, layer)] = (k_all, v_all)
+                start += n
+    return max_err
+
+
 def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
@@ -50,25 +75,11 @@ def main() -> int:
             shard_nodes = [s["node_id"] for s in svc.info()["shards"]]
             gen = torch.Generator().manual_seed(0)
             sids = [svc.add_sequence(), svc.add_sequence()]
-            history = {(sid, layer): (torch.zeros(0, 2, 8, dtype=torch.float64),) * 2
-                       for sid in sids for layer in range(2)}
+            history = new_history(sids)
             max_err = 0.0
             # A long prefill (PCP split), a mixed step, then decodes: context spans many blocks on every node.
             for request in ({sids[0]: 21, sids[1]: 5}, {sids[0]: 3, sids[1]: 12}, {sids[0]: 1, sids[1]: 1}):
-                num = sum(request.values())
-                with svc.step(request) as step:
-                    for layer in range(2):
-                        q, k, v = (torch.randn(num, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
-                        out = step.attend(layer, q, k, v)
-                        start = 0
-                        for sid, n in request.items():
-                            k_old, v_old = history[(sid, layer)]
-                            k_all = torch.cat([k_old, k[start:start + n]])
-                            v_all = torch.cat([v_old, v[start:start + n]])
-                            ref = dense_reference(q[start:start + n], k_all, v_all, k_old.shape[0])
-                            max_err = max(max_err, (out[start:start + n] - ref).abs().max().item())
-                            history[(sid, layer)] = (k_all, v_all)
-                            start += n
+                max_err = max(max_err, checked_step(svc, history, request, gen))
             stats = svc.stats()
         finally:
             svc.shutdown()

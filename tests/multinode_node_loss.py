@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from multinode_check import dense_reference
+from multinode_check import checked_step, new_history
 
 
 def main() -> int:
@@ -40,26 +40,12 @@ def main() -> int:
             shard_nodes = [s["node_id"] for s in info["shards"]]
             gen = torch.Generator().manual_seed(1)
             sids = [svc.add_sequence(), svc.add_sequence()]
-            history = {(sid, layer): (torch.zeros(0, 2, 8, dtype=torch.float64),) * 2
-                       for sid in sids for layer in range(2)}
+            history = new_history(sids)
             max_err = 0.0
 
             def step(request):
                 nonlocal max_err
-                num = sum(request.values())
-                with svc.step(request) as st:
-                    for layer in range(2):
-                        q, k, v = (torch.randn(num, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
-                        out = st.attend(layer, q, k, v)
-                        start = 0
-                        for sid, n in request.items():
-                            k_old, v_old = history[(sid, layer)]
-                            k_all = torch.cat([k_old, k[start:start + n]])
-                            v_all = torch.cat([v_old, v[start:start + n]])
-                            ref = dense_reference(q[start:start + n], k_all, v_all, k_old.shape[0])
-                            max_err = max(max_err, (out[start:start + n] - ref).abs().max().item())
-                            history[(sid, layer)] = (k_all, v_all)
-                            start += n
+                max_err = max(max_err, checked_step(svc, history, request, gen))
 
             step({sids[0]: 21, sids[1]: 5})
             step({sids[0]: 1, sids[1]: 1})

@@ -9,7 +9,6 @@ import time
 
 import ray
 
-from service_oracle import Oracle, tolerance
 
 RPC_S = 60.0   # generous: other agents load the 2-core machine while these tests run
 
@@ -64,27 +63,3 @@ def wait_replaced(svc, count: int, timeout_s: float = 90.0) -> float:
     t0 = time.monotonic()
     wait_for(lambda: svc.stats()["shards_replaced"] >= count, timeout_s, f"shards_replaced >= {count}", 0.05)
     return time.monotonic() - t0
-
-
-def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None, tol: float | None = None):
-    """One full step checked layer by layer against the float64 oracle; ``after_layer(step, layer)`` runs
-    between layers (fault injection). Commits the oracle's history; returns (step, worst error)."""
-    tol = tolerance(oracle.cfg) if tol is None else tol
-    t = sum(request.values())
-    pending, worst = {}, 0.0
-    with svc.step(request) as step:
-        for layer in range(oracle.cfg.num_layers):
-            q, k, v = oracle.random_qkv(t)
-            out = step.attend(layer, q, k, v)
-            ref, new_kv = oracle.reference(request, layer, q, k, v)
-            assert out.shape == ref.shape and bool(out.isfinite().all())
-            err = (out.double() - ref).abs().max().item()
-            assert err <= tol, f"layer {layer} of {request}: max error {err} > {tol}"
-            worst = max(worst, err)
-            pending.update(new_kv)
-            if after_layer is not None:
-                after_layer(step, layer)
-    oracle.commit(pending)
-    for sid in request:
-        assert svc.sequence_length(sid) == oracle.length(sid)
-    return step, worst

@@ -78,8 +78,11 @@ def tolerance(cfg) -> float:
     return {"float64": 1e-10, "float32": 2e-5, "float16": 2e-2, "bfloat16": 5e-2}[cfg.dtype]
 
 
-def run_step(svc, oracle: Oracle, request: dict[str, int], check: bool = True) -> float:
-    """One full step (every layer) checked against the oracle; commits the oracle's history. Returns max error."""
+def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None, tol: float | None = None,
+                 check: bool = True):
+    """One full step (every layer) checked layer by layer against the oracle; ``after_layer(step, layer)``
+    runs between layers (fault injection). Commits the oracle's history; returns (step, max error)."""
+    tol = tolerance(oracle.cfg) if tol is None else tol
     t = sum(request.values())
     pending, worst = {}, 0.0
     with svc.step(request) as step:
@@ -91,12 +94,19 @@ def run_step(svc, oracle: Oracle, request: dict[str, int], check: bool = True) -
             err = (out.double() - ref).abs().max().item()
             worst = max(worst, err)
             if check:
-                assert err <= tolerance(oracle.cfg), f"layer {layer} request {request}: max error {err}"
+                assert bool(out.isfinite().all()) and err <= tol, f"layer {layer} of {request}: max error {err} > {tol}"
             pending.update(new_kv)
+            if after_layer is not None:
+                after_layer(step, layer)
     oracle.commit(pending)
     for sid in request:
         assert svc.sequence_length(sid) == oracle.length(sid)
-    return worst
+    return step, worst
+
+
+def run_step(svc, oracle: Oracle, request: dict[str, int], check: bool = True) -> float:
+    """checked_step without fault injection; returns the max error."""
+    return checked_step(svc, oracle, request, check=check)[1]
 
 
 def local_tokens(seq_len: int, num_shards: int, rank: int, interleave: int) -> int:

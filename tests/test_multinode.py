@@ -22,12 +22,13 @@ def _env(**extra) -> dict:
     return dict(env, PYTHONPATH=str(ROOT), **extra)
 
 
-def test_spread_places_shards_on_every_node_and_stays_exact():
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "multinode_check.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-                            env=_env())
+def _run_script(name: str, timeout_s: float) -> dict:
+    """Run tests/<name> in its own process group; return its RESULT line as a dict."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / name)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT / "tests", start_new_session=True,
+                            env={**_env(), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -36,7 +37,11 @@ def test_spread_places_shards_on_every_node_and_stays_exact():
         except ProcessLookupError:
             pass
     assert proc.returncode == 0, stderr[-4000:]
-    result = json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    return json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_spread_places_shards_on_every_node_and_stays_exact():
+    result = _run_script("multinode_check.py", 180)
     # SPREAD over three one-CPU nodes: one shard per node, every node of the cluster used.
     assert len(result["cluster_nodes"]) == 3
     assert sorted(result["shard_nodes"]) == result["cluster_nodes"]
@@ -45,20 +50,7 @@ def test_spread_places_shards_on_every_node_and_stays_exact():
 
 
 def test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact():
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "multinode_node_loss.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT / "tests", start_new_session=True,
-                            env={**_env(), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, stderr[-4000:]
-    result = json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = _run_script("multinode_node_loss.py", 240)
     assert result["shards_replaced"] >= 1
     assert result["removed"] not in result["shard_nodes_after"]
     assert result["spare"] in result["shard_nodes_after"]

@@ -13,8 +13,8 @@ import ray
 
 import cpattn
 from conftest import service_config
-from reliability_common import RPC_S, checked_step
-from service_oracle import Oracle
+from reliability_common import RPC_S
+from service_oracle import Oracle, checked_step
 
 MAX_KILLS = 3
 DEADLINE_S = 75.0

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import cpattn
 from conftest import service_config
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError
-from reliability_common import checked_step, snapshot
-from service_oracle import Oracle
+from reliability_common import snapshot
+from service_oracle import Oracle, checked_step
 
 # The errors a hostile request may get: never a ServiceError (an internal failure wrapped on the way out).
 REJECTED = (InvalidRequestError, CapacityError)

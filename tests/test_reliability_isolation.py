@@ -12,8 +12,8 @@ import pytest
 import cpattn
 from conftest import service_config
 from cpattn.errors import CapacityError, InvalidRequestError
-from reliability_common import checked_step, snapshot
-from service_oracle import Oracle, local_tokens
+from reliability_common import snapshot
+from service_oracle import Oracle, checked_step, local_tokens
 
 NUM_BLOCKS = 16   # per shard; block_size 4, 3 shards, dcp_interleave 1 -> 64 tokens per shard
 TOL = 1e-10

@@ -14,9 +14,8 @@ import pytest
 import cpattn
 from conftest import service_config
 from cpattn.attention import register_backend
-from reliability_common import checked_step
 from reliability_plugins import PLUGINS
-from service_oracle import Oracle, local_tokens
+from service_oracle import Oracle, checked_step, local_tokens
 
 TOL = 1e-10
 NUM_BLOCKS = 12   # per shard; block_size 4 -> 48 tokens per shard

@@ -14,9 +14,9 @@ import ray
 import cpattn
 from conftest import service_config
 from cpattn.errors import CpattnError, InvalidRequestError, ShardLostError
-from reliability_common import (RPC_S, checked_step, current_shards, kill_shard, kv_checksums, wait_for,
+from reliability_common import (RPC_S, current_shards, kill_shard, kv_checksums, wait_for,
                                 wait_replaced)
-from service_oracle import Oracle, local_tokens
+from service_oracle import Oracle, checked_step, local_tokens
 
 TIMEOUTS = dict(rpc_timeout_s=RPC_S, collective_timeout_s=5.0, health_check_interval_s=1.0, start_timeout_s=120.0)
 TOL = 1e-10
