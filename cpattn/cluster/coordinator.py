@@ -19,32 +19,17 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
-from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
 from cpattn.cluster.recovery import refill_copies
-from cpattn.cluster.shard import ShardWorker
+from cpattn.cluster.shard_set import ShardSet
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 logger = logging.getLogger("cpattn.coordinator")
-
-# Threads per shard actor: one step loop per connected client plus control calls.
-SHARD_MAX_CONCURRENCY = 64
-
-
-def shard_actor_name(service_name: str, bundle_index: int) -> str:
-    return f"{service_name}-shard-{bundle_index}"
-
-
-def placement_group_name(service_name: str) -> str:
-    return f"{service_name}-pg"
-
 
 @dataclass
 class Sequence:
@@ -73,12 +58,9 @@ class OpenStep:
 class Coordinator:
     def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
         self.config = config
-        self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self._lock = threading.RLock()
         self._recovery_lock = threading.Lock()
-        self.shards: list = []          # actor handles, index = rank
-        self.shard_infos: list[dict] = []
-        self._pg = None
+        self.shard_set = ShardSet(config, backend_registry)
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
                                             config.dcp_interleave, config.max_sequences, config.kv_replicas)
         self.sequences: dict[str, Sequence] = {}
@@ -86,8 +68,7 @@ class Coordinator:
         self.clients: dict[str, dict] = {}
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
-        self.lost: dict[int, str] = {}       # rank -> why, until replaced
-        self.epoch = 0
+        self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
         self.num_steps_committed = 0
         self.num_steps_rolled_back = 0
         self.num_shards_replaced = 0
@@ -104,17 +85,7 @@ class Coordinator:
     def _restore(self, meta: dict, records: dict) -> None:
         """Restarted by Ray: re-attach to the detached shards and rebuild sequences from the journal."""
         cfg = self.config
-        self._pg = ray.util.get_placement_group(placement_group_name(cfg.name))
-        self.shards, self.shard_infos = [], []
-        for rank, bundle in enumerate(meta["bundles"]):
-            handle, info = None, {"bundle_index": bundle, "rank": rank}
-            try:
-                handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
-                info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
-            except Exception as exc:   # gone while we were down: the health thread replaces it
-                self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
-            self.shards.append(handle)
-            self.shard_infos.append(info)
+        self.shard_set.attach(meta["bundles"])
         restore_allocator(self.allocator, [(SequenceRows(r.primary, r.replica), r.length, r.pages)
                                            for r in records.values()])
         for seq_id, r in records.items():
@@ -132,7 +103,7 @@ class Coordinator:
         if self.journal is not None:
             self.journal.put_meta({"epoch": self.epoch, "clients": list(self.clients), "dropped": dict(self.dropped),
                                    "next_step": self._next_step + 1000,   # never reuse a step id after restart
-                                   "bundles": [i["bundle_index"] for i in self.shard_infos]})
+                                   "bundles": self.shard_set.bundles})
 
     def _persist_sequence(self, seq: Sequence) -> None:
         """After a commit: the length always, the page lists only when they changed."""
@@ -147,87 +118,30 @@ class Coordinator:
 
     # Lifecycle ------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
-        """Place and start the shards; on any failure remove what was started, then raise."""
-        cfg = self.config
-        try:
-            self._pg = placement_group(shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard),
-                                       strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
-                                       lifetime="detached" if cfg.detached else None)
-            try:
-                ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise ServiceError(
-                    f"could not place {cfg.num_shards} shards ({cfg.num_cpus_per_shard} CPU, {cfg.num_gpus_per_shard} GPU "
-                    f"each, {cfg.placement_strategy}) within {cfg.start_timeout_s}s: the cluster lacks the resources; "
-                    "lower num_shards / per-shard resources or add nodes") from None
-            handles = [self._new_shard(i) for i in range(cfg.num_shards)]
-            try:
-                infos = ray.get([h.info.remote() for h in handles], timeout=cfg.start_timeout_s)
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, CpattnError):
-                    raise cause from None
-                raise ServiceError(f"a shard failed to start: {exc}") from exc
-            except ray.exceptions.RayActorError as exc:
-                raise ServiceError(f"a shard failed to start: {exc}") from exc
-            self.shards = handles
-            ranks = assign_ranks([ShardLocation(i["bundle_index"], i["node_ip"], i["node_id"], tuple(i["gpu_ids"]))
-                                  for i in infos])
-            by_rank = sorted(range(len(handles)), key=lambda i: ranks[i])
-            self.shards = [handles[i] for i in by_rank]
-            self.shard_infos = [dict(infos[i], rank=r) for r, i in enumerate(by_rank)]
-        except BaseException:
-            self._teardown()
-            raise
+        """Place and start the shards (ShardSet cleans up if any part fails), then watch them."""
+        self.shard_set.start()
         self._persist_meta()
         self._publish_blocks_used()
         threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
-        first = self.shard_infos[0]
-        logger.info("cpattn service %r: %d shards, backend %s (%s)", cfg.name, cfg.num_shards, first["backend"],
-                    first["kernel_version"])
-        return self.shard_infos
-
-    def _new_shard(self, bundle_index: int):
-        cfg = self.config
-        options = {}
-        if cfg.detached:
-            # Detached and named: the shards (and their KV) outlive a coordinator restart.
-            options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
-                       "lifetime": "detached"}
-        return ray.remote(ShardWorker).options(
-            num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index, self._backend_registry)
+        first = self.shard_set.infos[0]
+        logger.info("cpattn service %r: %d shards, backend %s (%s)", self.config.name, self.config.num_shards,
+                    first["backend"], first["kernel_version"])
+        return self.shard_set.infos
 
     def describe(self) -> dict:
-        return {"config": self.config.model_dump(), "shards": self.shard_infos, "lost": dict(self.lost),
+        return {"config": self.config.model_dump(), "shards": self.shard_set.infos, "lost": dict(self.shard_set.lost),
                 "epoch": self.epoch, "restored": self.restored,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
     def get_shards(self) -> dict:
         with self._lock:
-            return {"epoch": self.epoch, "shards": list(self.shards)}
+            return {"epoch": self.epoch, "shards": list(self.shard_set.handles)}
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._teardown()
+        self.shard_set.teardown()
         if self.journal is not None:
             self.journal.clear()
-
-    def _teardown(self) -> None:
-        for h in self.shards:
-            try:
-                if h is not None:
-                    ray.kill(h, no_restart=True)
-            except Exception:
-                pass
-        self.shards = []
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:
-                pass
-            self._pg = None
 
     # Health and recovery --------------------------------------------------------------------------
     def _health_loop(self) -> None:
@@ -239,47 +153,24 @@ class Coordinator:
                 logger.exception("health check failed")
 
     def check_shards(self, timeout_s: float | None = None) -> dict[int, str]:
-        """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
-        timeout_s = timeout_s if timeout_s is not None else self.config.rpc_timeout_s
-        shards = list(self.shards)
-        refs = [h.ping.remote() for h in shards]
-        deadline = time.monotonic() + timeout_s
-        for rank, ref in enumerate(refs):
-            if rank in self.lost:
-                continue
-            try:
-                ok = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                why = None if ok else "stopped answering (hung)"
-            except ray.exceptions.GetTimeoutError:
-                why = f"did not answer a ping within {timeout_s:.1f}s"
-            except ray.exceptions.RayActorError as exc:
-                why = f"died ({type(exc).__name__})"
-            if why is not None:
-                with self._lock:
-                    self.lost[rank] = why
-                logger.error("shard %d lost: %s", rank, why)
-        return dict(self.lost)
+        """Ping every shard; returns rank -> why for the lost ones."""
+        return self.shard_set.check(timeout_s if timeout_s is not None else self.config.rpc_timeout_s)
 
     def recover(self) -> None:
         """Replace every lost shard in its bundle; refill from replicas or drop the sequences it held."""
         with self._recovery_lock:
-            for rank in sorted(self.lost):
+            for rank in sorted(self.shard_set.lost):
                 self._replace(rank)
 
     def _replace(self, rank: int) -> None:
         cfg = self.config
-        why = self.lost[rank]
-        old = self.shards[rank]
-        try:
-            if old is not None:
-                ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
-        except Exception:
-            pass
-        new, info = self._start_replacement(self.shard_infos[rank]["bundle_index"])
+        lost = self.shard_set.lost
+        why = lost[rank]
+        new, info = self.shard_set.start_replacement(rank)
         with self._lock:
-            live = [s for s in self.sequences.values()]
+            live = list(self.sequences.values())
             sources = {self.allocator.replica_holder(rank), self.allocator.primary_of(rank)} - {rank}
-            if cfg.kv_replicas == 2 and not sources & set(self.lost):
+            if cfg.kv_replicas == 2 and not sources & set(lost):
                 copies = refill_copies(self.allocator, [s.rows for s in live], rank)
             else:
                 copies = None
@@ -290,12 +181,10 @@ class Coordinator:
                             self.allocator.release(s.rows)
                             del self.sequences[s.seq_id]
         for copy in copies or []:
-            pages = self.shards[copy.src].read_blocks.remote(copy.src_blocks)
+            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks)
             ray.get(new.write_blocks.remote(copy.dst_blocks, pages), timeout=cfg.rpc_timeout_s)
         with self._lock:
-            self.shards[rank] = new
-            self.shard_infos[rank] = dict(info, rank=rank)
-            del self.lost[rank]
+            self.shard_set.install(rank, new, info)
             self.epoch += 1
             self.num_shards_replaced += 1
             for seq_id in self.dropped:
@@ -304,19 +193,6 @@ class Coordinator:
             self._persist_meta()
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
-
-    def _start_replacement(self, bundle_index: int):
-        """A new shard in the bundle. When a node died, Ray may first place it on that node (not yet known
-        dead) and then move the bundle: keep trying until start_timeout_s."""
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while True:
-            new = self._new_shard(bundle_index)
-            try:
-                return new, ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            except ray.exceptions.RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
 
     def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
         dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable
@@ -394,7 +270,7 @@ class Coordinator:
         (nothing planned) and rebuilds its group first.
         """
         t0 = time.perf_counter()
-        if self.lost:
+        if self.shard_set.lost:
             self.recover()
         with self._lock:
             try:
@@ -436,7 +312,7 @@ class Coordinator:
             step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth,
                             plans[0].num_tokens, self.epoch)
             self.steps[step_id] = step
-            shards = list(self.shards)
+            shards = list(self.shard_set.handles)
         step.refs = [h.run_step.remote(group_name, plan) for h, plan in zip(shards, plans)]
         step.plan_s = time.perf_counter() - t0
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
@@ -508,7 +384,7 @@ class Coordinator:
             return {"plan_s": step.plan_s + max((r.get("plan_s", 0.0) for r in reports), default=0.0),
                     "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
                     "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
-        if not self.lost and step.epoch == self.epoch:
+        if not self.shard_set.lost and step.epoch == self.epoch:
             self.metrics.record_error("ServiceError")
             raise ServiceError(f"step {step_id} failed and was rolled back: {failure}")
         self.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
@@ -541,7 +417,7 @@ class Coordinator:
             growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])
             plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1)
             seq.in_step = -1
-            shards = list(self.shards)
+            shards = list(self.shard_set.handles)
         try:
             ray.get([h.fill_synthetic.remote(p, seed) for h, p in zip(shards, plans)], timeout=self.config.rpc_timeout_s)
         except BaseException:
@@ -563,12 +439,13 @@ class Coordinator:
             for rank in range(self.config.num_shards):
                 pool = self.allocator.pools[rank]
                 tokens = sum(self.allocator.local_tokens(s.length, rank) for s in self.sequences.values())
-                info = self.shard_infos[rank] if rank < len(self.shard_infos) else {}
+                infos = self.shard_set.infos
+                info = infos[rank] if rank < len(infos) else {}
                 shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
                                "tokens": tokens, "bytes": pool.num_used_blocks * bytes_per_block,
                                "node_ip": info.get("node_ip"), "node_id": info.get("node_id"),
                                "device": info.get("device"), "backend": info.get("backend"),
-                               "alive": rank not in self.lost})
+                               "alive": rank not in self.shard_set.lost})
             per_client: dict[str, dict] = {}
             for s in self.sequences.values():
                 c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
@@ -578,5 +455,5 @@ class Coordinator:
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
                     "kv_replicas": self.config.kv_replicas,
-                    "backend": self.shard_infos[0]["backend"] if self.shard_infos else None,
-                    "kernel_version": self.shard_infos[0]["kernel_version"] if self.shard_infos else None}
+                    "backend": self.shard_set.infos[0]["backend"] if self.shard_set.infos else None,
+                    "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}

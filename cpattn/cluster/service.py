@@ -102,7 +102,7 @@ def remove_leftovers(config: ServiceConfig) -> None:
     from ray.util import get_placement_group
     from ray.util.placement_group import remove_placement_group
 
-    from cpattn.cluster.coordinator import placement_group_name, shard_actor_name
+    from cpattn.cluster.shard_set import placement_group_name, shard_actor_name
     from cpattn.cluster.journal import CoordinatorJournal
 
     for bundle in range(config.num_shards):

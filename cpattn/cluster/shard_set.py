@@ -1,0 +1,174 @@
+"""The shard actors of one service: their placement group, handles by rank, and liveness.
+
+The coordinator owns what the shards hold (sequences, pages); this owns the actors themselves:
+placing them one bundle per shard, ranking them by where they landed, pinging them, and starting
+a replacement in a lost shard's bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
+from cpattn.cluster.shard import ShardWorker
+from cpattn.config import ServiceConfig
+from cpattn.errors import CpattnError, ServiceError
+
+logger = logging.getLogger("cpattn.coordinator")
+
+# Threads per shard actor: one step loop per connected client plus control calls.
+SHARD_MAX_CONCURRENCY = 64
+
+
+def shard_actor_name(service_name: str, bundle_index: int) -> str:
+    return f"{service_name}-shard-{bundle_index}"
+
+
+def placement_group_name(service_name: str) -> str:
+    return f"{service_name}-pg"
+
+
+class ShardSet:
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
+        self.config = config
+        self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
+        self.handles: list = []                     # actor handles, index = rank (None while missing)
+        self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
+        self.lost: dict[int, str] = {}              # rank -> why, until replaced
+        self._pg = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Place and start the shards, ranked by node then GPU; on any failure remove what was started."""
+        cfg = self.config
+        try:
+            self._pg = placement_group(shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard),
+                                       strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
+                                       lifetime="detached" if cfg.detached else None)
+            try:
+                ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ServiceError(
+                    f"could not place {cfg.num_shards} shards ({cfg.num_cpus_per_shard} CPU, {cfg.num_gpus_per_shard} GPU "
+                    f"each, {cfg.placement_strategy}) within {cfg.start_timeout_s}s: the cluster lacks the resources; "
+                    "lower num_shards / per-shard resources or add nodes") from None
+            handles = [self._new_shard(i) for i in range(cfg.num_shards)]
+            self.handles = handles
+            try:
+                infos = ray.get([h.info.remote() for h in handles], timeout=cfg.start_timeout_s)
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, CpattnError):
+                    raise cause from None
+                raise ServiceError(f"a shard failed to start: {exc}") from exc
+            except ray.exceptions.RayActorError as exc:
+                raise ServiceError(f"a shard failed to start: {exc}") from exc
+            ranks = assign_ranks([ShardLocation(i["bundle_index"], i["node_ip"], i["node_id"], tuple(i["gpu_ids"]))
+                                  for i in infos])
+            by_rank = sorted(range(len(handles)), key=lambda i: ranks[i])
+            self.handles = [handles[i] for i in by_rank]
+            self.infos = [dict(infos[i], rank=r) for r, i in enumerate(by_rank)]
+        except BaseException:
+            self.teardown()
+            raise
+
+    def attach(self, bundles: list[int]) -> None:
+        """After a coordinator restart: find the detached, named shards again (rank r in bundle bundles[r])."""
+        cfg = self.config
+        self._pg = ray.util.get_placement_group(placement_group_name(cfg.name))
+        self.handles, self.infos = [], []
+        for rank, bundle in enumerate(bundles):
+            handle, info = None, {"bundle_index": bundle, "rank": rank}
+            try:
+                handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
+                info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
+            except Exception as exc:   # gone while the coordinator was down: the health check replaces it
+                self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
+            self.handles.append(handle)
+            self.infos.append(info)
+
+    @property
+    def bundles(self) -> list[int]:
+        return [i["bundle_index"] for i in self.infos]
+
+    def _new_shard(self, bundle_index: int):
+        cfg = self.config
+        options = {}
+        if cfg.detached:
+            # Detached and named: the shards (and their KV) outlive a coordinator restart.
+            options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
+                       "lifetime": "detached"}
+        return ray.remote(ShardWorker).options(
+            num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
+            **options).remote(cfg, bundle_index, self._backend_registry)
+
+    def check(self, timeout_s: float) -> dict[int, str]:
+        """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
+        refs = [None if h is None else h.ping.remote() for h in list(self.handles)]
+        deadline = time.monotonic() + timeout_s
+        for rank, ref in enumerate(refs):
+            if rank in self.lost or ref is None:
+                continue
+            try:
+                ok = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                why = None if ok else "stopped answering (hung)"
+            except ray.exceptions.GetTimeoutError:
+                why = f"did not answer a ping within {timeout_s:.1f}s"
+            except ray.exceptions.RayActorError as exc:
+                why = f"died ({type(exc).__name__})"
+            if why is not None:
+                with self._lock:
+                    self.lost[rank] = why
+                logger.error("shard %d lost: %s", rank, why)
+        return dict(self.lost)
+
+    def start_replacement(self, rank: int):
+        """Kill the lost shard and start a new one in its bundle; returns (handle, info), not yet installed.
+
+        When a node died, Ray may first place the new actor on that node (not yet known dead) and then
+        move the bundle: keep trying until start_timeout_s.
+        """
+        old = self.handles[rank]
+        try:
+            if old is not None:
+                ray.kill(old, no_restart=True)   # a hung shard must not come back half-alive
+        except Exception:
+            pass
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            new = self._new_shard(self.infos[rank]["bundle_index"])
+            try:
+                return new, dict(ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def install(self, rank: int, handle, info: dict) -> None:
+        """Make a started replacement the shard of ``rank``."""
+        with self._lock:
+            self.handles[rank] = handle
+            self.infos[rank] = info
+            self.lost.pop(rank, None)
+
+    def teardown(self) -> None:
+        for h in self.handles:
+            try:
+                if h is not None:
+                    ray.kill(h, no_restart=True)
+            except Exception:
+                pass
+        self.handles = []
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
