@@ -1,7 +1,7 @@
 """Coordinator: owns sequences, lengths and block allocation per shard; plans each step once.
 
-A plain class; ``ray.remote`` is applied in ``cluster.service``. It starts the shard actors in a
-placement group, assigns ranks, builds one ShardStepPlan per rank per step and hands it to each
+A plain class; ``ray.remote`` is applied in ``cluster.service``. Its ShardSet places and watches the
+shard actors; the coordinator builds one ShardStepPlan per rank per step and hands it to each
 shard with a single Ray call; per-layer tensors never pass through here.
 
 Shard loss: a health thread pings shards; a dead or silent shard is replaced in its bundle. With
