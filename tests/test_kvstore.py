@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError
 from cpattn.kvstore import (PAD_BLOCK_ID, PAD_SLOT_ID, BlockPool, BlockTable, MultipleOf, block_table_to_csr,
-                            compute_slot_mapping, dcp_local_position, dcp_local_seq_lens, dcp_owner_rank,
+                            compute_slot_mapping, dcp_local_position, dcp_local_seq_len, dcp_local_seq_lens, dcp_owner_rank,
                             expand_block_table, kernel_kv_view, select_common_kernel_block_size)
 
 FAST = settings(max_examples=40, deadline=None)
@@ -249,6 +249,15 @@ def test_dcp_local_seq_lens_brute_force(lens, world, interleave, data):
     total = sum(dcp_local_seq_lens(lens, world, r, interleave) for r in range(world)) if lens else None
     if lens:
         assert total.tolist() == lens
+
+
+@FAST
+@given(st.integers(0, 300), st.integers(1, 8), st.sampled_from([1, 2, 3, 16, 32]), st.data())
+def test_dcp_local_seq_len_scalar_brute_force(length, world, interleave, data):
+    """The plain-int form the coordinator uses per step counts the same tokens."""
+    rank = data.draw(st.integers(0, world - 1))
+    assert dcp_local_seq_len(length, world, rank, interleave) == \
+        sum(_brute_owner(p, world, interleave) == rank for p in range(length))
 
 
 @FAST

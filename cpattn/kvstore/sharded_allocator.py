@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from cpattn.errors import CapacityError
 from cpattn.kvstore.block_pool import BlockPool
 from cpattn.kvstore.block_table import BlockTable
+from cpattn.kvstore.sharding import dcp_local_seq_len
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,7 @@ class ShardedKVAllocator:
         return (holder - max(1, self.num_shards // 2)) % self.num_shards
 
     def local_tokens(self, seq_len: int, shard: int) -> int:
-        """dcp_local_seq_lens for one length, in plain ints: it runs per sequence per shard per step."""
-        span = self.num_shards * self.interleave
-        rest = seq_len % span - shard * self.interleave
-        return (seq_len // span) * self.interleave + min(max(rest, 0), self.interleave)
+        return dcp_local_seq_len(seq_len, self.num_shards, shard, self.interleave)
 
     def blocks_for(self, seq_len: int, shard: int) -> int:
         return -(-self.local_tokens(seq_len, shard) // self.block_size)

@@ -44,3 +44,10 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor | list[int], world_size: int, rank
     span = world_size * interleave
     full_rounds, rem = lens // span, lens % span
     return full_rounds * interleave + (rem - rank * interleave).clamp(min=0, max=interleave)
+
+
+def dcp_local_seq_len(seq_len: int, world_size: int, rank: int, interleave: int) -> int:
+    """``dcp_local_seq_lens`` for one length in plain ints: the coordinator asks it per sequence per shard
+    per step, where building a tensor each time costs more than the arithmetic."""
+    span = world_size * interleave
+    return (seq_len // span) * interleave + min(max(seq_len % span - rank * interleave, 0), interleave)
