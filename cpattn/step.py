@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpattn.attention.merge import LseBase, merge_attn_states
+from cpattn.attention.merge import LseBase
+from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND
 from cpattn.cluster.rpc import call as _call
 from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
@@ -110,7 +111,7 @@ class Step:
         except Exception as exc:
             raise _WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
         partials = torch.stack(parts[1:]).to(packed.device)
-        out, _ = _merge(partials[..., :d], partials[..., d], packed.device)
+        out, _ = merge_partials(partials[..., :d], partials[..., d], LseBase.E)
         self.timings["data_plane_s"] += t1 - t0
         self.timings["merge_s"] += time.perf_counter() - t1
         return out
@@ -211,7 +212,7 @@ class Step:
             # A shard died after the last layer: the coordinator rolled the step back; do it again.
             self._restart(report["failure"])
         self._close("committed")
-        self.timings["plan_s"] += report["plan_s"]
+        self.timings["plan_s"] += report["shard_plan_s"]   # the coordinator's share came with begin_step
         self.timings["attention_s"] = report["attention_s"]
         svc.last_step_timings = dict(self.timings)
 
@@ -238,14 +239,3 @@ class Step:
         except CpattnError:
             if raise_errors:
                 raise
-
-
-def _merge(outs_NTHD: torch.Tensor, lses_NTH: torch.Tensor, device: torch.device):
-    if device.type == "cuda":
-        try:
-            from cpattn.attention.merge_triton import merge_partials
-
-            return merge_partials(outs_NTHD, lses_NTH, LseBase.E)
-        except ImportError:
-            pass
-    return merge_attn_states(outs_NTHD, lses_NTH, LseBase.E)

@@ -381,7 +381,7 @@ class Coordinator:
                 self.metrics.record_rollback()
             self._publish_blocks_used()
         if failure is None:
-            return {"plan_s": step.plan_s + max((r.get("plan_s", 0.0) for r in reports), default=0.0),
+            return {"shard_plan_s": max((r.get("plan_s", 0.0) for r in reports), default=0.0),
                     "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
                     "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
         if not self.shard_set.lost and step.epoch == self.epoch:

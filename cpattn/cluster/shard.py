@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from cpattn.attention import AttentionSpec, get_attn_backend, merge_attn_states, to_natural_lse, write_kv_cache
+from cpattn.attention import AttentionSpec, get_attn_backend, to_natural_lse, write_kv_cache
+from cpattn.attention.merge_triton import merge_partials
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store
 from cpattn.cluster.step_planner import ShardStepPlan
@@ -202,8 +203,8 @@ class ShardWorker:
             lse = to_natural_lse(lse.to(wire_dtype), self.backend.lse_base)
             if pieces.numel():
                 new_out, new_lse = self.impl.forward_new_tokens(q, k, v, pieces)
-                out, lse = merge_attn_states(torch.stack([out.to(wire_dtype), new_out.to(wire_dtype)]),
-                                             torch.stack([lse, new_lse.to(wire_dtype)]))
+                out, lse = merge_partials(torch.stack([out.to(wire_dtype), new_out.to(wire_dtype)]),
+                                          torch.stack([lse, new_lse.to(wire_dtype)]))
             partial = torch.cat([out.to(wire_dtype), lse.to(wire_dtype)[..., None]], dim=-1)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # charge kernel time to attention, not to the wire
