@@ -410,6 +410,8 @@ class Coordinator:
             seq = self._get_sequence(seq_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
                 raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**40:
+                raise InvalidRequestError(f"seed {seed!r} must be an int in 0..2**40")
             self._check_fits(seq, num_tokens)
             self._check_quota(client_id, num_tokens)
             if seq.in_step is not None:
