@@ -1,8 +1,7 @@
 """The public face: ``start``, ``connect`` and ``Service`` (``Step`` lives in cpattn.step).
 
-The client process is the data-plane gateway (rank 0 of its own group with the shards): per
-layer it validates q/k/v, broadcasts them, gathers each shard's partial (out, natural-log LSE)
-and merges them. Everything per step (validation, allocation, planning) goes through the
+The client's Gateway (cluster.gateway) owns its coordinator handle, data-plane group and the shards
+it computes in-process; everything per step (validation, allocation, planning) goes through the
 coordinator once; nothing per layer goes through Ray.
 """
 
@@ -13,11 +12,11 @@ from typing import Any
 
 import ray
 
-from cpattn.cluster.data_plane import DataPlane, create_group, make_store
+from cpattn.cluster.gateway import Gateway
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
-from cpattn.errors import InvalidRequestError, ShardLostError
+from cpattn.errors import CpattnError, InvalidRequestError, ShardLostError
 from cpattn.step import Step
 
 logger = logging.getLogger("cpattn")
@@ -53,72 +52,37 @@ def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None
 
 
 class Service:
-    """A client of one cpattn service. Not thread-safe: one open step at a time per client."""
+    """A client of one cpattn service. One thread, one open step at a time per client."""
 
     def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool):
         self.config = config
-        self._coordinator = coordinator
         self._owns_service = owns_service
         self._owns_ray = owns_ray
-        self._step: Step | None = None
         self._closed = False
-        self._plane: DataPlane | None = None
-        self.last_step_timings: dict[str, float] = {}
-        timeout = config.rpc_timeout_s
-        self.client_id: str = _call(coordinator.register_client.remote(), timeout, "register_client")
-        described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
-        self.shard_infos: list[dict] = described["shards"]
-        self._join_data_plane()
+        self.gateway = Gateway(coordinator, config)
+        self.client_id: str = self.gateway.client_id
+        self.shard_infos: list[dict] = self.info()["shards"]
 
     @property
-    def group_name(self) -> str:
-        return f"{self.client_id}-e{self._epoch}"
-
-    def _join_data_plane(self) -> None:
-        """(Re)build this client's group with the current shards; rank 0 is this process."""
-        cfg = self.config
-        current = _call(self._coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
-        self._epoch, self._shards = current["epoch"], current["shards"]
-        world = cfg.num_shards + 1
-        backend = cfg.resolved_data_plane()
-        host = ray.util.get_node_ip_address()
-        store = make_store(host, 0, world, True, cfg.collective_timeout_s)
-        joins = [h.join_group.remote(self.group_name, host, store.port, rank + 1, world, backend)
-                 for rank, h in enumerate(self._shards)]
-        group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
-        _call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
-        self._store = store   # the store must outlive the group
-        self._plane = DataPlane(group, 0, world, backend)
-
-    def _rejoin(self) -> None:
-        """After a shard was replaced: drop the broken group and join a new one."""
-        old = self.group_name
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
-        for h in self._shards:
-            try:
-                h.leave_group.remote(old)
-            except Exception:
-                pass
-        self._join_data_plane()
+    def last_step_timings(self) -> dict[str, float]:
+        """Timings (seconds) of the last step whose commit was confirmed: plan_s, data_plane_s, attention_s."""
+        return self.gateway.last_step_timings
 
     # Sequences ------------------------------------------------------------------------------------
     def add_sequence(self) -> str:
         self._check_open()
-        return _call(self._coordinator.add_sequence.remote(self.client_id), self.config.rpc_timeout_s, "add_sequence")
+        return self.gateway.call("add_sequence", self.client_id)
 
     def free(self, seq_id: str) -> None:
         self._check_open()
-        _call(self._coordinator.free.remote(self.client_id, seq_id), self.config.rpc_timeout_s, "free")
+        self.gateway.call("free", self.client_id, seq_id)
 
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""
-        return _call(self._coordinator.list_sequences.remote(self.client_id), self.config.rpc_timeout_s,
-                     "list_sequences")
+        return self.gateway.call("list_sequences", self.client_id)
 
     def sequence_length(self, seq_id: str) -> int:
-        return _call(self._coordinator.sequence_length.remote(seq_id), self.config.rpc_timeout_s, "sequence_length")
+        return self.gateway.call("sequence_length", seq_id)
 
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
@@ -127,42 +91,30 @@ class Service:
         fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()
-        return _call(self._coordinator.fill_synthetic.remote(self.client_id, seq_id, num_tokens, seed),
-                     self.config.rpc_timeout_s, "fill_synthetic")
+        return self.gateway.call("fill_synthetic", self.client_id, seq_id, num_tokens, seed)
 
     # Steps ----------------------------------------------------------------------------------------
     def step(self, request: dict[str, int]) -> "Step":
         """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""
         self._check_open()
-        if self._step is not None:
+        if self.gateway.open_step is not None:
             raise InvalidRequestError("a step is already open on this client: finish it before starting another "
                                       "(use a second client for concurrent steps)")
-        return Step(self, dict(request) if isinstance(request, dict) else request)
+        return Step(self.gateway, dict(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return _call(self._coordinator.stats.remote(), self.config.rpc_timeout_s, "stats")
+        return self.gateway.call("stats")
 
     def info(self) -> dict[str, Any]:
-        return _call(self._coordinator.describe.remote(), self.config.rpc_timeout_s, "describe")
+        return self.gateway.call("describe")
 
     def close(self) -> None:
-        """Leave the service running; drop this client's data-plane group."""
+        """Leave the service running; drop this client's data-plane group (after its last commit)."""
         if self._closed:
             return
         self._closed = True
-        for h in self._shards:
-            try:
-                h.leave_group.remote(self.group_name)
-            except Exception:
-                pass
-        try:
-            self._coordinator.unregister_client.remote(self.client_id)
-        except Exception:
-            pass
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
+        self.gateway.close()
         if self._owns_ray and not self._owns_service:
             ray.shutdown()
 
@@ -170,10 +122,13 @@ class Service:
         """Stop the whole service (shards, placement group, coordinator); leaves nothing running."""
         was_closed = self._closed
         self._closed = True
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
-        stop_coordinator(self._coordinator, self.config.rpc_timeout_s, self.config)
+        if not was_closed:
+            try:
+                self.gateway.flush()
+            except CpattnError as exc:
+                logger.warning("shutting down: %s", exc)
+        self.gateway.leave()
+        stop_coordinator(self.gateway.coordinator, self.config.rpc_timeout_s, self.config)
         if self._owns_ray and ray.is_initialized() and not was_closed:
             ray.shutdown()
 

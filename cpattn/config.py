@@ -55,8 +55,16 @@ class ServiceConfig(BaseModel):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement group strategy for the shard bundles (SPREAD for multi-node)."""
     data_plane: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend for per-layer tensors: auto = gloo (CUDA tensors are staged through the
-    host); nccl only when the client process has a GPU no shard uses."""
+    """torch.distributed backend between a client and the shards it reaches over the wire: auto = NCCL
+    when the client and each of those shards have a GPU of their own (tensors stay on the GPUs), gloo
+    otherwise (CPU, or shards sharing a GPU: CUDA tensors are staged through the host)."""
+    local_shards: Literal["auto", "off"] = "auto"
+    """auto: a client on a shard's GPU computes that shard's share in its own process, on the shard's KV
+    cache opened by CUDA IPC (no hand-over between two processes on one GPU); off: every shard over the wire."""
+    async_commit: bool = True
+    """Send a step's commit without waiting; the answer is read by the client's next call, so a decode loop
+    pays one Ray round trip per step. A shard lost between the last layer and the commit is then reported
+    (kv_replicas=1) or replayed (kv_replicas=2) at that next call instead of at the end of the step."""
     pcp_enabled: bool = True
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)
@@ -136,11 +144,6 @@ class ServiceConfig(BaseModel):
         if self.device != "auto":
             return self.device
         return "cuda" if self.num_gpus_per_shard > 0 else "cpu"
-
-    def resolved_data_plane(self) -> str:
-        # auto is gloo: the client's gateway rank shares a GPU with a shard on one-GPU-per-shard
-        # layouts, and NCCL between two ranks on one GPU hangs. nccl is for gateways on a GPU of their own.
-        return "gloo" if self.data_plane == "auto" else self.data_plane
 
 
 def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:

@@ -1,7 +1,8 @@
-"""A step: one set of sequences advancing together, attended layer by layer over the data plane.
+"""A step: one set of sequences advancing together, attended layer by layer.
 
-The client process is rank 0 of its data-plane group: per layer it validates q/k/v, broadcasts them
-with a small header, gathers every shard's partial (out | natural-log LSE) and merges them.
+The client's Gateway does the per-layer work (remote shards over the data plane, shards on the
+client's GPU in-process, merge on the client's device); a Step holds the step's lifecycle: begin,
+validation, commit or rollback, and recovery after a shard loss.
 """
 
 from __future__ import annotations
@@ -12,22 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpattn.attention.merge import LseBase
-from cpattn.attention.merge_triton import merge_partials
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND
+from cpattn.cluster.data_plane import CMD_ATTEND, WireError
 from cpattn.cluster.rpc import call as _call
 from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
 
 if TYPE_CHECKING:
-    from cpattn.client import Service
+    from cpattn.cluster.gateway import Gateway, PendingCommit, StepWire
 
 logger = logging.getLogger("cpattn")
 
 MAX_RECOVERIES = 3
-
-
-class _WireError(Exception):
-    """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
 
 
 class Step:
@@ -38,15 +33,20 @@ class Step:
     (their outputs are identical, since the restored KV is), so the caller sees only latency.
     """
 
-    def __init__(self, service: Service, request: dict[str, int]):
-        self._svc = service
+    def __init__(self, gateway: Gateway, request: dict[str, int], sync_commit: bool = False):
+        self._gw = gateway
         self._request = request
         self._info: dict | None = None
+        self._wire: StepWire | None = None
         self._attended: set[int] = set()
         self._state = "new"   # new -> open -> committed | rolled_back
-        self._replay: list[tuple[int, torch.Tensor]] | None = [] if service.config.kv_replicas == 2 else None
+        self._sync_commit = sync_commit or not gateway.config.async_commit
+        self._replay: list[tuple[int, torch.Tensor]] | None = [] if gateway.config.kv_replicas == 2 else None
         self.recoveries = 0
-        self.timings = {"plan_s": 0.0, "data_plane_s": 0.0, "attention_s": 0.0, "merge_s": 0.0}
+        self.timings = {"plan_s": 0.0, "data_plane_s": 0.0}
+        """Seconds: plan_s (begin_step + the shards' planning), data_plane_s (host time in attend: wire,
+        in-process shards, merge); attention_s (the slowest remote shard's kernel time; its launch time on
+        CUDA) is added when the commit is read (at the next call of this client with async_commit)."""
 
     @property
     def num_tokens(self) -> int:
@@ -59,23 +59,24 @@ class Step:
     def __enter__(self) -> "Step":
         if self._state != "new":
             raise InvalidRequestError(f"this step is {self._state}: start a new one with svc.step(...)")
-        if self._svc._step is not None:
-            raise InvalidRequestError("a step is already open on this client: steps cannot nest")
-        self._begin()
+        self._gw.flush()   # a replay of the previous step (kv_replicas=2) needs the client to itself
+        self._gw.claim(self)
+        try:
+            self._begin()
+        except BaseException:
+            self._gw.release(self)
+            raise
         self._state = "open"
-        self._svc._step = self
         return self
 
     def _begin(self) -> None:
-        svc = self._svc
         for _ in range(MAX_RECOVERIES + 1):
-            info = _call(svc._coordinator.begin_step.remote(svc.client_id, svc.group_name, self._request, svc._epoch),
-                         svc.config.rpc_timeout_s + svc.config.start_timeout_s, "begin_step")
-            if "rejoin" not in info:
-                self._info = info
+            info = self._gw.begin(self._request)
+            if info is not None:
+                self._info, self._wire = info, info["wire"]
                 self.timings["plan_s"] += info["plan_s"]
                 return
-            svc._rejoin()
+            self._gw.rejoin()
         raise ServiceError("the service kept replacing shards while this step began; check `cpattn status`")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -84,55 +85,49 @@ class Step:
             raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
                                       "use it inside `with svc.step(...) as step:`")
         self._validate(layer, q, k, v)
-        packed = torch.cat([q, k, v], dim=1)
         for _ in range(MAX_RECOVERIES + 1):
             try:
-                out = self._wire_attend(layer, packed)
+                out = self._wire_attend(layer, q, k, v)
                 break
-            except _WireError as exc:
+            except WireError as exc:
                 self._recover(str(exc))
         else:
             self._fail_closed(f"layer {layer} failed after {MAX_RECOVERIES} shard recoveries")
         if self._replay is not None:
-            self._replay.append((layer, packed))
+            self._replay.append((layer, torch.cat([q, k, v], dim=1)))
         self._attended.add(layer)
-        return out.to(q.dtype)
+        return out.to(q.device, q.dtype)
 
-    def _wire_attend(self, layer: int, packed: torch.Tensor) -> torch.Tensor:
-        cfg = self._svc.config
-        plane = self._svc._plane
-        t, hq, d = self.num_tokens, cfg.num_q_heads, cfg.head_size
-        wire_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+    def _wire_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         try:
             t0 = time.perf_counter()
-            plane.send_layer(CMD_ATTEND, layer, self._info["step_id"], packed)
-            parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=packed.device))
-            t1 = time.perf_counter()
-        except Exception as exc:
-            raise _WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
-        partials = torch.stack(parts[1:]).to(packed.device)
-        out, _ = merge_partials(partials[..., :d], partials[..., d], LseBase.E)
-        self.timings["data_plane_s"] += t1 - t0
-        self.timings["merge_s"] += time.perf_counter() - t1
+            out = self._gw.attend(self._wire, CMD_ATTEND, layer, q, k, v)
+        except RuntimeError as exc:   # torch.distributed errors (DistBackendError, gloo/NCCL failures)
+            raise WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
+        self.timings["data_plane_s"] += time.perf_counter() - t0
         return out
+
+    def _replay_layers(self, replay: list[tuple[int, torch.Tensor]]) -> None:
+        cfg = self._gw.config
+        hq, hk = cfg.num_q_heads, cfg.num_kv_heads
+        for layer, packed in replay:
+            self.attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:])
 
     def _recover(self, why: str) -> None:
         """Roll the broken step back; if the service recovered every sequence of it, begin again and replay."""
-        svc = self._svc
         try:
-            _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
-                  svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+            self._end(False, why)
         except BaseException:
             self._close("rolled_back")
             raise
         self._restart(why)
 
     def _restart(self, why: str) -> None:
-        """After the coordinator rolled this step back and replaced a shard: rejoin, begin again, replay."""
-        svc = self._svc
+        """After the coordinator rolled this step back (and replaced a shard): rejoin, begin again, replay."""
+        gw = self._gw
         if self._replay is None:
             self._close("rolled_back")
-            svc._rejoin()
+            gw.rejoin()
             raise ServiceError(f"step {self._info['step_id']} was rolled back: {why}; the lost shard was replaced "
                                "and no sequence of this step lost KV: run the step again "
                                "(kv_replicas=2 replays it automatically)")
@@ -141,27 +136,31 @@ class Step:
             self._fail_closed(f"step gave up after {MAX_RECOVERIES} shard recoveries ({why})")
         logger.warning("step %s: %s; shard replaced, replaying %d layers", self._info["step_id"], why,
                        len(self._replay))
-        svc._rejoin()
+        gw.rejoin()
         self._begin()
         for layer, packed in self._replay:
+            hq, hk = gw.config.num_q_heads, gw.config.num_kv_heads
             try:
-                self._wire_attend(layer, packed)
-            except _WireError as exc:
+                self._wire_attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:])
+            except WireError as exc:
                 self._recover(str(exc))   # bounded by MAX_RECOVERIES through self.recoveries
                 return
 
+    def _end(self, commit: bool, why: str | None) -> dict:
+        cfg = self._gw.config
+        return _call(self._gw.coordinator.end_step.remote(self._info["step_id"], commit, why),
+                     cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+
     def _fail_closed(self, why: str) -> None:
-        svc = self._svc
         self._close("rolled_back")
         try:
-            _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why), svc.config.rpc_timeout_s,
-                  "end_step")
+            self._end(False, why)
         except CpattnError:
             pass
         raise ServiceError(why)
 
     def _validate(self, layer, q, k, v) -> None:
-        cfg = self._svc.config
+        cfg = self._gw.config
         t, hq, hk, d = self.num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cfg.num_layers:
             raise InvalidRequestError(f"layer {layer!r} out of range: use an int in 0..{cfg.num_layers - 1}")
@@ -181,29 +180,51 @@ class Step:
             if x.device.type not in ("cpu", "cuda"):
                 # meta/other devices hold no data to send: they would fail deep inside the data plane.
                 raise InvalidRequestError(f"{name} is on {x.device}: q, k and v must be CPU or CUDA tensors")
-            if cfg.nan_policy == "reject" and not bool(torch.isfinite(x).all()):
+        if cfg.nan_policy != "reject":
+            return
+        if q.is_cuda:
+            # Read once at the end of the step (a read here would stall the GPU every layer); a step
+            # that had NaN/inf is rolled back there, so the cache never keeps them.
+            self._wire.nonfinite.append(torch.stack([~torch.isfinite(x).all() for x in (q, k, v)]).any())
+            return
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(x).all()):
                 raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
                                           "(set nan_policy='allow' to accept them)")
 
     def _close(self, state: str) -> None:
         self._state = state
-        self._svc._step = None
+        self._gw.release(self)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._state != "open":
             return
-        svc = self._svc
-        timeout = svc.config.rpc_timeout_s + svc.config.start_timeout_s
-        if exc_type is not None or len(self._attended) != svc.config.num_layers:
+        cfg = self._gw.config
+        if exc_type is not None or len(self._attended) != cfg.num_layers:
             if exc_type is None:
                 logger.warning("step %s rolled back: %d of %d layers attended (a step commits only when every "
-                               "layer was)", self._info["step_id"], len(self._attended), svc.config.num_layers)
+                               "layer was)", self._info["step_id"], len(self._attended), cfg.num_layers)
             self._abort(raise_errors=exc_type is None)
+            return
+        try:
+            self._gw.wait_for_device(self._wire)   # bounded: reading the flags below cannot hang
+        except WireError as exc:
+            self._fail_after_outputs(str(exc))
+        if self._wire.nonfinite and bool(torch.stack(self._wire.nonfinite).any()):
+            self._abort(raise_errors=True)
+            raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
+                                      "reach the KV cache (set nan_policy='allow' to accept them)")
+        if not self._sync_commit:
+            from cpattn.cluster.gateway import PendingCommit
+
+            self._close("committed")
+            self._gw.pending = PendingCommit(self._info["step_id"], self._request, self._replay, self.timings,
+                                             self._gw.coordinator.end_step.remote(self._info["step_id"], True, None))
             return
         while True:
             # The shards ended the step after the last layer; the coordinator commits it.
             try:
-                report = _call(svc._coordinator.end_step.remote(self._info["step_id"], True, None), timeout, "end_step")
+                report = self._end(True, None)
             except BaseException:
                 self._close("rolled_back")
                 raise
@@ -212,30 +233,55 @@ class Step:
             # A shard died after the last layer: the coordinator rolled the step back; do it again.
             self._restart(report["failure"])
         self._close("committed")
-        self.timings["plan_s"] += report["shard_plan_s"]   # the coordinator's share came with begin_step
-        self.timings["attention_s"] = report["attention_s"]
-        svc.last_step_timings = dict(self.timings)
+        self._gw.committed(self.timings, report)
+
+    def _fail_after_outputs(self, why: str) -> None:
+        """The wire failed where the host could not see it (NCCL): outputs already handed out may be wrong,
+        so nothing is replayed silently; the step rolls back and the caller runs it again."""
+        self._close("rolled_back")
+        try:
+            report = self._end(False, why)
+        finally:
+            self._gw.rejoin()
+        refilled = " and refilled from replicas" if report.get("recovered") else ""
+        raise ServiceError(f"step {self._info['step_id']}: {why}; its outputs are not valid and nothing was "
+                           f"committed (the lost shard was replaced{refilled}): run the step again")
 
     def _abort(self, raise_errors: bool) -> None:
         """Roll back: tell the shards, then the coordinator. Errors surface only if nothing else is raising."""
-        svc = self._svc
+        gw = self._gw
         why = None
-        cfg = svc.config
         try:
             # After the last layer the shards have already left the step: an ABORT then would be read
             # as the next step's first layer and desynchronise the group.
-            if len(self._attended) < cfg.num_layers:
-                unused = torch.empty(self.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
-                                     dtype=cfg.torch_dtype)
-                svc._plane.send_layer(CMD_ABORT, -1, self._info["step_id"], unused)
+            if len(self._attended) < gw.config.num_layers:
+                gw.abort_wire(self._wire)
         except Exception as wire_exc:
             why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
         self._close("rolled_back")
         try:
-            report = _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
-                           svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+            report = self._end(False, why)
             if report.get("recovered") or why is not None:
-                svc._rejoin()
+                gw.rejoin()
         except CpattnError:
             if raise_errors:
                 raise
+
+
+def finish_deferred_commit(gw: Gateway, pending: PendingCommit) -> None:
+    """Read a commit sent without waiting. A step the coordinator rolled back after all (a shard died
+    between its last layer and the commit) is replayed with kv_replicas=2, else reported."""
+    cfg = gw.config
+    report = _call(pending.ref, cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+    if not report.get("recovered"):
+        gw.committed(pending.timings, report)
+        return
+    gw.rejoin()
+    if pending.replay is None:
+        raise ServiceError(f"step {pending.step_id} was rolled back after its last layer: {report['failure']}; the "
+                           "lost shard was replaced and no sequence lost KV, but that step's tokens were not added: "
+                           "run it again (kv_replicas=2 replays it automatically)")
+    logger.warning("step %s: %s; shard replaced, replaying its %d layers", pending.step_id, report["failure"],
+                   len(pending.replay))
+    with Step(gw, pending.request, sync_commit=True) as again:
+        again._replay_layers(pending.replay)

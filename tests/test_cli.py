@@ -109,7 +109,7 @@ def test_examples_load():
     local = load_config(ROOT / "examples" / "service_local.yaml")
     cluster = load_config(ROOT / "examples" / "service_cluster.yaml")
     assert local.num_shards == 4 and local.resolved_device() == "cpu"
-    assert cluster.placement_strategy == "SPREAD" and cluster.resolved_data_plane() == "gloo"
+    assert cluster.placement_strategy == "SPREAD" and cluster.data_plane == "auto"
 
 
 # Status against a service in this process ----------------------------------------------------------

@@ -58,11 +58,22 @@ def test_derived_values():
     assert cfg.bytes_per_block() == per_block
     assert cfg.blocks_per_shard() == (10 * 2**20) // per_block
     assert ServiceConfig(num_blocks_per_shard=7).blocks_per_shard() == 7
-    assert ServiceConfig().resolved_device() == "cpu" and ServiceConfig().resolved_data_plane() == "gloo"
-    gpu = ServiceConfig(num_gpus_per_shard=1)
-    assert gpu.resolved_device() == "cuda" and gpu.resolved_data_plane() == "gloo"
-    # Shards sharing a GPU must not use NCCL (two ranks on one GPU hang).
-    assert ServiceConfig(num_gpus_per_shard=0.25).resolved_data_plane() == "gloo"
+    assert ServiceConfig().resolved_device() == "cpu"
+    assert ServiceConfig(num_gpus_per_shard=1).resolved_device() == "cuda"
+
+
+def test_data_plane_choice():
+    """NCCL only when the client and every wire shard have a GPU each; an explicit nccl that cannot is an error."""
+    import torch
+
+    from cpattn.cluster.gateway import choose_data_plane
+
+    cpu = torch.device("cpu")
+    infos = [{"gpu_uuid": None}, {"gpu_uuid": None}]
+    assert choose_data_plane(ServiceConfig(), cpu, infos) == "gloo"
+    assert choose_data_plane(ServiceConfig(data_plane="gloo"), cpu, infos) == "gloo"
+    with pytest.raises(ConfigError, match="data_plane 'nccl' needs .* GPU of its own"):
+        choose_data_plane(ServiceConfig(data_plane="nccl"), cpu, infos)
 
 
 def test_load_config_yaml_with_overrides(tmp_path):

@@ -50,7 +50,7 @@ def test_restarted_coordinator_keeps_sequences_and_outputs_stay_exact(ray_sessio
         run_step(svc, oracle, {a: 11, b: 3})
         run_step(svc, oracle, {a: 1, b: 1})
         before = svc.stats()
-        ray.kill(svc._coordinator, no_restart=False)     # Ray restarts a detached coordinator
+        ray.kill(svc.gateway.coordinator, no_restart=False)     # Ray restarts a detached coordinator
         deadline = time.monotonic() + 60
         while True:   # ray.kill is asynchronous: wait for the restarted instance, not the old one
             try:

@@ -56,7 +56,7 @@ def test_random_shard_kills_during_a_workload(ray_session):
     svc = cpattn.start(service_config(num_shards=3, kv_replicas=2, dtype="float32", block_size=4, dcp_interleave=2,
                                       num_blocks_per_shard=128, pcp_min_tokens=12, rpc_timeout_s=RPC_S,
                                       collective_timeout_s=5.0, health_check_interval_s=0.5, start_timeout_s=120.0))
-    killer = Killer(svc._coordinator, seed=1234)
+    killer = Killer(svc.gateway.coordinator, seed=1234)
     try:
         oracle = Oracle(svc.config, 77)
         rng = random.Random(5)

@@ -49,7 +49,7 @@ def env(ray_session):
 
 def _unchanged(env, before: dict, with_kv: bool = True) -> None:
     svc, oracle = env["svc"], env["oracle"]
-    assert svc._step is None
+    assert svc.gateway.open_step is None
     assert snapshot(svc, [env["other"]], with_kv) == before
     # ... and the service still computes exactly what the oracle (which never saw the hostile input) says.
     a, b = env["a"], env["b"]

@@ -48,7 +48,7 @@ def test_killed_shard_raises_shard_lost_naming_sequences_and_shutdown_cleans_up(
     pgs_before = _placement_groups()
     cfg = service_config(num_shards=3, block_size=4, dcp_interleave=4, **TIMEOUTS)
     svc = cpattn.start(cfg)
-    shards = list(svc._shards)
+    shards = list(svc.gateway.shards)
     try:
         assert len(shards) == 3
         oracle = Oracle(cfg, 9)
@@ -72,7 +72,7 @@ def test_killed_shard_raises_shard_lost_naming_sequences_and_shutdown_cleans_up(
         with pytest.raises(ShardLostError, match=c) as info:
             run_step(svc, oracle, {c: 1})
         assert c in info.value.sequences
-        current = ray.get(svc._coordinator.get_shards.remote(), timeout=30)
+        current = ray.get(svc.gateway.coordinator.get_shards.remote(), timeout=30)
         shards += current["shards"] if isinstance(current, dict) else current   # replacements, if any
     finally:
         svc.shutdown()
@@ -83,7 +83,7 @@ def test_shutdown_leaves_nothing_running(ray_session):
     pgs_before = _placement_groups()
     cfg = service_config(num_shards=2, **TIMEOUTS)
     svc = cpattn.start(cfg)
-    shards = list(svc._shards)
+    shards = list(svc.gateway.shards)
     assert _coordinator_exists(cfg)
     run_step(svc, Oracle(cfg, 1), {svc.add_sequence(): 3})
     svc.shutdown()
@@ -112,7 +112,7 @@ def test_hung_shard_surfaces_as_typed_error_not_a_hang(ray_session):
     pgs_before = _placement_groups()
     cfg = service_config(num_shards=2, **TIMEOUTS)
     svc = cpattn.start(cfg)
-    shards = list(svc._shards)
+    shards = list(svc.gateway.shards)
     try:
         oracle = Oracle(cfg, 4)
         a = svc.add_sequence()

@@ -38,7 +38,7 @@ def snapshot(svc, seq_ids, with_kv: bool = True) -> dict:
             "sequences": svc.sequences(),
             "shards": [(s["blocks_used"], s["blocks_free"], s["tokens"]) for s in stats["shards"]]}
     if with_kv:
-        snap["kv"] = ray.get([h.kv_checksum.remote() for h in svc._shards], timeout=30)
+        snap["kv"] = ray.get([h.kv_checksum.remote() for h in svc.gateway.shards], timeout=30)
     return snap
 
 
@@ -167,7 +167,7 @@ def test_bad_request_changes_nothing(env, make_request, match):
     with pytest.raises(InvalidRequestError, match=match):
         with svc.step(make_request(a, b)):
             pytest.fail("the step must not open")
-    assert svc._step is None
+    assert svc.gateway.open_step is None
     prove_unchanged(env, before)
 
 

@@ -50,6 +50,7 @@ class OpenStep:
     growth: Growth
     num_tokens: int
     epoch: int
+    local_ranks: tuple[int, ...] = ()   # shards whose share the client computes in its own process
     refs: list = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     plan_s: float = 0.0
@@ -135,7 +136,7 @@ class Coordinator:
 
     def get_shards(self) -> dict:
         with self._lock:
-            return {"epoch": self.epoch, "shards": list(self.shard_set.handles)}
+            return {"epoch": self.epoch, "shards": list(self.shard_set.handles), "infos": list(self.shard_set.infos)}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -263,9 +264,12 @@ class Coordinator:
         return self.sequences[seq_id]
 
     # Steps ----------------------------------------------------------------------------------------
-    def begin_step(self, client_id: str, group_name: str, request: dict, epoch: int | None = None) -> dict:
-        """Validate, allocate, plan once, and hand each shard its plan. Nothing changes if it raises.
+    def begin_step(self, client_id: str, group_name: str, request: dict, epoch: int | None = None,
+                   local_ranks: list[int] | tuple[int, ...] = ()) -> dict:
+        """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
+        ``local_ranks``: shards on the client's GPU, whose share the client computes itself on their
+        KV cache (opened by CUDA IPC); their plans come back in the reply instead of going to them.
         A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
         (nothing planned) and rebuilds its group first.
         """
@@ -277,6 +281,10 @@ class Coordinator:
                 self._check_client(client_id)
                 if epoch is not None and epoch != self.epoch:
                     return {"rejoin": self.epoch}
+                local = tuple(sorted(set(local_ranks))) if isinstance(local_ranks, (list, tuple)) else None
+                if local is None or not all(isinstance(r, int) and 0 <= r < self.config.num_shards for r in local):
+                    raise InvalidRequestError(f"local_ranks {local_ranks!r} must be shard ranks in "
+                                              f"0..{self.config.num_shards - 1}")
                 if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
                         f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
@@ -310,13 +318,16 @@ class Coordinator:
             for seq in seqs:
                 seq.in_step = step_id
             step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth,
-                            plans[0].num_tokens, self.epoch)
+                            plans[0].num_tokens, self.epoch, local)
             self.steps[step_id] = step
             shards = list(self.shard_set.handles)
-        step.refs = [h.run_step.remote(group_name, plan) for h, plan in zip(shards, plans)]
+        step.refs = [h.run_step.remote(group_name, plan) for rank, (h, plan) in enumerate(zip(shards, plans))
+                     if rank not in local]
         step.plan_s = time.perf_counter() - t0
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
-                "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch}
+                "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch,
+                "local_plans": {r: plans[r] for r in local},
+                "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
 
     def _publish_blocks_used(self) -> None:
         for rank in range(self.config.num_shards):
@@ -359,6 +370,12 @@ class Coordinator:
                     failure = f"data plane broke on a shard: {broken[0]}"
             except (ray.exceptions.RayError, CpattnError) as exc:
                 failure = f"{type(exc).__name__}: {exc}"
+        if failure is None and step.local_ranks:
+            # The client wrote those shards' KV itself: commit only if they are still the same, live
+            # processes (a replacement would not hold what was written into its predecessor).
+            lost = self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))
+            if step.epoch != self.epoch or set(lost) & set(step.local_ranks):
+                failure = f"a shard the client computed in-process was lost: {lost}"
         if failure is not None:
             commit = False
             self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))

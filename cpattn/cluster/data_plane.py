@@ -1,14 +1,20 @@
-"""The data plane: a torch.distributed group joining a client's gateway (rank 0) and the shards.
+"""The data plane: a torch.distributed group joining a client's gateway (rank 0) and remote shards.
 
 Per-layer tensors travel only here, never through Ray calls (1 ms and up per call, 120 ms for
 16 MB). Groups are built directly from a TCPStore rather than init_process_group, so one shard
-process can belong to one group per connected client at the same time. gloo runs on CPU and when
-shards share a GPU (NCCL between two ranks on one GPU hangs); NCCL across GPUs.
+process can belong to one group per connected client at the same time. NCCL when every rank has a
+GPU of its own (tensors stay on the GPUs); gloo on CPU and when ranks share a GPU (NCCL between two
+ranks on one GPU hangs), staging CUDA tensors through the host. Shards on the client's own GPU are
+not in the group at all: the client computes their share in its process (cluster.gateway).
 
-Wire protocol per layer: two collectives, nothing else.
+Wire protocol per layer: one broadcast out, one point-to-point message back per rank with rows.
   message  uint8 [32 + T (Hq + 2 Hk) D itemsize] = int64 header (command, layer, step_id, T) | q|k|v
            broadcast from rank 0; an ABORT message has the same size, its payload unused
-  partial  [T, Hq, D + 1] float32/64 = out | natural-log lse, gathered to rank 0
+  partial  uint8 [R (Hq D itemsize + Hq lse_itemsize) + 8] = out [R, Hq, D] in the activation dtype |
+           natural-log lse [R, Hq] float32 (float64 for float64) | int64 tag (step, layer), rank r ->
+           rank 0, only for the R rows rank r computed (ShardStepPlan.rows); no rows: no message.
+           The tag lets the client tell, at the end of the step, that every message arrived whole:
+           an NCCL receive from a dead peer does not fail on the host, it is aborted after the timeout.
 A shard's step ends after it served every layer (the coordinator, not the shard, decides commit
 or rollback, so no closing message is needed) or on ABORT when the client stops early.
 """
@@ -16,13 +22,24 @@ or rollback, so no closing message is needed) or on ABORT when the client stops 
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
+class WireError(Exception):
+    """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
+
+
 CMD_ATTEND = 1
 CMD_ABORT = 3
 HEADER_BYTES = 32
+TAG_BYTES = 8
+
+
+def partial_tag(step_id: int, layer: int) -> int:
+    """The nonzero int64 that closes a shard's partial message for (step, layer)."""
+    return step_id * 65536 + layer + 1
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.Store:
@@ -38,6 +55,9 @@ def create_group(store: dist.Store, group_name: str, rank: int, world_size: int,
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
     if backend == "nccl":
+        # A dead peer must surface as an error in this process, not end it: abort the communicator
+        # after the timeout and let the waiting call raise (the default tears the process down).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
@@ -56,24 +76,19 @@ class DataPlane:
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu() if self.backend == "gloo" and t.is_cuda else t
 
+    def _run(self, work) -> None:
+        """gloo: blocks until done (errors raise here). NCCL: orders our stream after it, host goes on."""
+        work.wait()
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place from rank 0; returns the tensor on its original device."""
         wire = self._wire(tensor).contiguous()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([wire], opts).wait()
+        self._run(self.group.broadcast([wire], opts))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
-
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's ``tensor`` (same shape/dtype) on rank 0, on the wire's device; None elsewhere."""
-        wire = self._wire(tensor).contiguous()
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        outs = [[torch.empty_like(wire) for _ in range(self.world_size)]] if self.rank == 0 else []
-        self.group.gather(outs, [wire], opts).wait()
-        return outs[0] if self.rank == 0 else None
 
     def send_layer(self, command: int, layer: int, step_id: int, packed_TXD: torch.Tensor) -> None:
         """Rank 0: one broadcast carrying the header and the layer's packed q|k|v."""
@@ -86,18 +101,69 @@ class DataPlane:
 
     def recv_layer(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[tuple[int, int, int, int], torch.Tensor]:
-        """Other ranks: the header and the packed [T, X, D] tensor (moved to ``device``)."""
+        """Other ranks: the header and the packed [T, X, D] tensor (on ``device``).
+
+        Reading the header is this rank's one host synchronisation per layer: it says which
+        layer's cache the kernels address (clients may attend layers in any order).
+        """
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        message = torch.empty(HEADER_BYTES + num_tokens * num_heads * head_size * itemsize, dtype=torch.uint8)
+        wire_device = device if self.backend == "nccl" else torch.device("cpu")
+        message = torch.empty(HEADER_BYTES + num_tokens * num_heads * head_size * itemsize, dtype=torch.uint8,
+                              device=wire_device)
         self.broadcast(message)
         command, layer, step_id, t = message[:HEADER_BYTES].view(torch.int64).tolist()
         packed = message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size)
         return (command, layer, step_id, t), packed.to(device, non_blocking=True)
 
+    def send_partial(self, out_RQD: torch.Tensor, lse_RQ: torch.Tensor, tag: int) -> None:
+        """A shard: its computed rows to rank 0 as one message (out bytes | lse bytes | int64 tag)."""
+        tag_bytes = torch.tensor([tag], dtype=torch.int64).view(torch.uint8).to(out_RQD.device, non_blocking=True)
+        message = torch.cat([out_RQD.contiguous().view(-1).view(torch.uint8),
+                             lse_RQ.contiguous().view(-1).view(torch.uint8), tag_bytes])
+        self._run(self.group.send([self._wire(message)], 0, 0))
+
+    def recv_partial(self, src: int, num_rows: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                     lse_dtype: torch.dtype, device: torch.device,
+                     tag: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rank 0: rank ``src``'s partial, out [R, Q, D] and lse [R, Q] on ``device``, and a 0-dim bool that
+        is True when the message did not arrive whole (its tag is missing: the sender died or was aborted).
+
+        With NCCL nothing here waits on the host, so a dead peer is seen only through that flag, which
+        the step reads once at its end.
+        """
+        out_bytes = num_rows * num_heads * head_size * torch.empty(0, dtype=dtype).element_size()
+        lse_bytes = num_rows * num_heads * torch.empty(0, dtype=lse_dtype).element_size()
+        wire_device = device if self.backend == "nccl" else torch.device("cpu")
+        message = torch.empty(out_bytes + lse_bytes + TAG_BYTES, dtype=torch.uint8, device=wire_device)
+        message[-TAG_BYTES:].zero_()
+        self._run(self.group.recv([message], src, 0))
+        message = message.to(device, non_blocking=True)
+        out = message[:out_bytes].view(dtype).view(num_rows, num_heads, head_size)
+        lse = message[out_bytes:out_bytes + lse_bytes].view(lse_dtype).view(num_rows, num_heads)
+        broken = message[-TAG_BYTES:].view(torch.int64)[0] != tag
+        return out, lse, broken
+
+    def abort(self) -> None:
+        """Unblock whatever waits on this group (NCCL: abort the communicator); the group is unusable after."""
+        for name in ("abort", "_abort"):   # which one a backend binds varies across torch versions
+            method = getattr(self.group, name, None)
+            if method is not None:
+                try:
+                    method()
+                    return
+                except RuntimeError:
+                    pass
+
     def close(self) -> None:
-        # Dropping the group closes its connections; shutdown() exists only on some backends.
-        try:
-            self.group.shutdown()
-        except (AttributeError, RuntimeError):
-            pass
+        """Drop the group. NCCL: abort its communicators, a local call (shutdown() waits on the peers'
+        communicators and hung at a client's exit on 2 x H200); gloo: dropping it closes its sockets."""
+        if self.group is None:
+            return
+        if self.backend == "nccl":
+            self.abort()
+        else:
+            try:
+                self.group.shutdown()
+            except (AttributeError, RuntimeError):
+                pass
         self.group = None

@@ -15,14 +15,13 @@ import time
 
 import torch
 
-from cpattn.attention import AttentionSpec, get_attn_backend, to_natural_lse, write_kv_cache
-from cpattn.attention.merge_triton import merge_partials
+from cpattn.attention import get_attn_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store, partial_tag
+from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
-from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 logger = logging.getLogger("cpattn.shard")
 
@@ -65,16 +64,12 @@ class ShardWorker:
         self.backend = get_attn_backend(
             config.backend, head_size=config.head_size, dtype=self.dtype, block_size=config.block_size,
             num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device)
-        self.kernel_block_size = select_common_kernel_block_size(
-            config.block_size, [self.backend.get_supported_kernel_block_sizes()])
-        spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
-                             self.kernel_block_size, str(self.device))
-        self.builder = self.backend.get_builder_cls()(spec)
-        self.impl = self.backend.get_impl_cls()(spec)
         self.num_blocks = config.blocks_per_shard()
         shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
                                                 config.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device)
+        self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
         self._lock = threading.Lock()
         self._hang = False
@@ -96,8 +91,9 @@ class ShardWorker:
             gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
         except Exception:   # plain-class use in unit tests: no Ray worker context
             pass
+        gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else None
         return {"bundle_index": self.bundle_index, "node_id": node_id, "node_ip": node_ip, "gpu_ids": gpu_ids,
-                "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
+                "gpu_uuid": gpu_uuid, "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
                 "kernel_version": self.backend.kernel_version(), "lse_base": self.backend.lse_base.name,
                 "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size,
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
@@ -112,6 +108,18 @@ class ShardWorker:
     def kv_checksum(self) -> float:
         """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks."""
         return float(sum(t.double().abs().sum() for t in self.kv_caches))
+
+    def export_kv(self) -> list[tuple]:
+        """CUDA IPC handles of every layer's KV cache, for a client on this GPU to open once per connection.
+
+        Such a client computes this shard's share in its own process (no per-layer hand-over between
+        two processes on one GPU, which costs a context switch each way); the caches stay owned here.
+        """
+        if self.device.type != "cuda":
+            raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [reduce_tensor(t)[1] for t in self.kv_caches]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer)."""
@@ -162,24 +170,17 @@ class ShardWorker:
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
         t0 = time.perf_counter()
-        md = plan.metadata
-        if self.kernel_block_size != self.config.block_size:
-            md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
-                                                       self.kernel_block_size)
-            # Slots are token addresses, identical under both page sizes.
-        attn_md = self.builder.build(0, md.to(self.device))
+        planned = self.runner.plan(plan)
         timings = {"plan_s": time.perf_counter() - t0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0}
         try:
-            return self._serve_layers(plane, plan, attn_md, timings)
+            return self._serve_layers(plane, planned, timings)
         except RuntimeError as exc:
             # The group broke (a peer died or timed out): report it as data, the coordinator decides.
             return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
 
-    def _serve_layers(self, plane: DataPlane, plan: ShardStepPlan, attn_md, timings: dict) -> dict:
-        pieces = plan.causal_pieces
-        replica_slots = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
+    def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
+        plan = planned.plan
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
-        wire_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         t = plan.num_tokens
         served: set[int] = set()
         while len(served) < self.config.num_layers:
@@ -196,22 +197,14 @@ class ShardWorker:
             served.add(layer)
             a0 = time.perf_counter()
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
-            if replica_slots is not None:
-                write_kv_cache(self.kv_caches[layer], k, v, replica_slots)
-            kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
-            out, lse = self.impl.forward(layer, q, k, v, kv_cache, attn_md)
-            lse = to_natural_lse(lse.to(wire_dtype), self.backend.lse_base)
-            if pieces.numel():
-                new_out, new_lse = self.impl.forward_new_tokens(q, k, v, pieces)
-                out, lse = merge_partials(torch.stack([out.to(wire_dtype), new_out.to(wire_dtype)]),
-                                          torch.stack([lse, new_lse.to(wire_dtype)]))
-            partial = torch.cat([out.to(wire_dtype), lse.to(wire_dtype)[..., None]], dim=-1)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)   # charge kernel time to attention, not to the wire
+            out, lse = self.runner.run_layer(planned, layer, q, k, v)
             a1 = time.perf_counter()
-            plane.gather(partial)
-            timings["attention_s"] += a1 - a0
+            if plan.num_rows:
+                plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
+            timings["attention_s"] += a1 - a0   # kernel launch time on CUDA (no per-layer sync)
             timings["wire_s"] += (a0 - w0) + (time.perf_counter() - a1)
             timings["layers"] += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # the step's sends are done before it reports
         timings["outcome"] = "served"
         return timings

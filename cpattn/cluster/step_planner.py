@@ -23,6 +23,13 @@ class ShardStepPlan:
     """[P, 3] (q_start, q_end, k_start): this shard's share of the causal part among new tokens."""
     replica_slot_mapping: torch.Tensor | None = None
     """(T,) int64: where this shard keeps its copy of ``primary_of(rank)``'s new tokens (-1 elsewhere)."""
+    rows: torch.Tensor | None = None
+    """(R,) int64 sorted: the query rows this shard computes (local context or a causal piece); None = all T.
+    Only these rows travel back to the client, so a prefill rank returns its share, not [T, Hq, D]."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens if self.rows is None else int(self.rows.numel())
 
 
 @dataclass(frozen=True)
@@ -54,5 +61,17 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
             replica_slots = make_dcp_context_metadata(query_lens, context_lens, replica_table, allocator.block_size,
                                                       n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
-                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots))
+                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
+                                   rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank])))
     return plans
+
+
+def computed_rows(query_lens_B: torch.Tensor, local_context_B: torch.Tensor,
+                  pieces_P3: torch.Tensor) -> torch.Tensor | None:
+    """Rows with any key on this rank: requests with local context, plus its causal pieces; None = all."""
+    mask_T = (local_context_B > 0).repeat_interleave(query_lens_B)
+    for q_start, q_end, _ in pieces_P3.tolist():
+        mask_T[q_start:q_end] = True
+    if bool(mask_T.all()):
+        return None
+    return mask_T.nonzero().flatten()

@@ -1,0 +1,203 @@
+"""Context-parallel scaling on GPUs: one kernel call on 1 GPU vs the service on 1 and on N GPUs.
+
+Every row is measured the way a user runs it: ``cpattn.start``, ``svc.step``, ``step.attend`` with q/k/v
+already on the client's GPU (cuda:0, where the model would run), whole steps of ``--layers`` layers
+(fewer where the KV of that many layers does not fit; the row says how many), wall time from
+``svc.step(...)`` to the end of the ``with`` block, after the GPU finished. The plan's Ray round trip
+per step is in the row (``plan_ms_per_step``) so ms/layer at another depth can be derived.
+The kernel column is one backend call on one GPU over the same shape (CUDA events, median).
+
+    python benchmarks/cp_scaling.py [--gpus 1,2] [--layers 32] [--cases decode_1m,...] [--json PATH]
+Prints one table and writes JSON (default benchmarks/results/cp_scaling.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+
+HQ, HK, D, BLOCK = 32, 8, 128, 16
+KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 2   # K and V, bf16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    context: int     # tokens each sequence holds before the step (fill_synthetic)
+    new: int         # new tokens per sequence in the step
+    backend: str     # kernel for the 1-GPU reference and the service
+
+
+CASES = {
+    "decode_128k": Case("decode_128k", 1, 131072, 1, "TRITON"),
+    "decode_512k": Case("decode_512k", 1, 524288, 1, "TRITON"),
+    "decode_1m": Case("decode_1m", 1, 1048576, 1, "TRITON"),
+    "decode_b64_32k": Case("decode_b64_32k", 64, 32768, 1, "TRITON"),
+    "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),
+    "prefill_128k": Case("prefill_128k", 1, 0, 131072, "FLASH_ATTN"),
+    "chunked_8k_on_512k": Case("chunked_8k_on_512k", 1, 524288, 8192, "FLASH_ATTN"),
+}
+
+
+def usable_backend(name: str) -> str:
+    from cpattn.attention import get_attn_backend
+    from cpattn.errors import BackendUnavailableError
+
+    try:
+        get_attn_backend(name, head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ, num_kv_heads=HK,
+                         device="cuda")
+        return name
+    except BackendUnavailableError:
+        return "TRITON"
+
+
+def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float) -> int:
+    tokens = case.batch * (case.context + case.new)
+    per_layer = tokens * KV_BYTES_PER_TOKEN_LAYER / gpus
+    return max(1, min(wanted, int(budget_gb * 2**30 // per_layer)))
+
+
+def kernel_ms(case: Case, backend: str, repeats: int) -> float:
+    """One backend call on cuda:0 over the whole (unsharded) batch: causal, context + new tokens."""
+    from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
+
+    cls = get_attn_backend(backend, head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ,
+                           num_kv_heads=HK, device="cuda")
+    spec = AttentionSpec(HQ, HK, D, torch.bfloat16, BLOCK, "cuda")
+    pages = -(-(case.context + case.new) // BLOCK)
+    cache = torch.randn(cls.get_kv_cache_shape(case.batch * pages, BLOCK, HK, D), device="cuda",
+                        dtype=torch.bfloat16)
+    table = torch.randperm(case.batch * pages).view(case.batch, pages)
+    md = cls.get_builder_cls()(spec).build(0, make_causal_metadata([case.new] * case.batch, [case.context] * case.batch,
+                                                                     table, BLOCK).to("cuda"))
+    impl = cls.get_impl_cls()(spec)
+    t = case.batch * case.new
+    q, k, v = (torch.randn(t, h, D, device="cuda", dtype=torch.bfloat16) for h in (HQ, HK, HK))
+    times = []
+    for i in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        impl.forward(0, q, k, v, cache, md)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    del cache
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float) -> list[dict]:
+    """One service of ``gpus`` shards (one GPU each) per case, sized for it; whole steps timed."""
+    import cpattn
+
+    rows = []
+    for case in cases:
+        layers = layers_that_fit(case, gpus, wanted_layers, budget_gb)
+        backend = usable_backend(case.backend)
+        tokens_per_shard = -(-case.batch * (case.context + case.new * (repeats + 2)) // gpus)
+        blocks = tokens_per_shard // BLOCK + 2 * case.batch + 16
+        cfg = cpattn.ServiceConfig(num_shards=gpus, num_layers=layers, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
+                                   block_size=BLOCK, dtype="bfloat16", backend=backend, device="cuda",
+                                   num_gpus_per_shard=1, num_cpus_per_shard=1, num_blocks_per_shard=blocks,
+                                   name=f"cp-scaling-{gpus}", rpc_timeout_s=600, collective_timeout_s=600,
+                                   shard_hang_timeout_s=600)
+        svc = cpattn.start(cfg)
+        try:
+            rows.append(_measure(svc, case, gpus, layers, repeats, backend))
+        finally:
+            svc.shutdown()
+        print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str) -> dict:
+    t = case.batch * case.new
+    q, k, v = (torch.randn(t, h, D, device="cuda", dtype=torch.bfloat16) for h in (HQ, HK, HK))
+    seqs = []
+    if case.context:
+        seqs = [svc.add_sequence() for _ in range(case.batch)]
+        for i, s in enumerate(seqs):
+            svc.fill_synthetic(s, case.context, seed=i)
+    walls, plans = [], []
+    for rep in range(repeats + 2):          # two warm-up steps: kernel JIT, NCCL communicators
+        if not case.context:
+            seqs = [svc.add_sequence() for _ in range(case.batch)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with svc.step({s: case.new for s in seqs}) as step:
+            for layer in range(layers):
+                step.attend(layer, q, k, v)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        if rep >= 2:
+            walls.append(wall)
+            plans.append(step.timings["plan_s"])
+        if not case.context:
+            for s in seqs:
+                svc.free(s)
+    gw = svc.gateway
+    wall = statistics.median(walls)
+    return {"case": case.name, "gpus": gpus, "batch": case.batch, "context": case.context, "new": case.new,
+            "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
+            "data_plane": gw.plane.backend if gw.plane else "none",
+            "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
+            "plan_ms_per_step": 1e3 * statistics.median(plans)}
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['case']:>20} {r['gpus']:>4} {r['layers']:>6} {r['data_plane']:>6} {r['plan_ms_per_step']:>9.2f} "
+            f"{r['ms_per_layer']:>9.3f} {r.get('kernel_ms', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f}")
+
+
+HEADER = (f"{'case':>20} {'gpus':>4} {'layers':>6} {'wire':>6} {'plan/step':>9} {'ms/layer':>9} {'kernel':>9} "
+          f"{'x kern':>7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="1,2", help="service sizes (one shard per GPU)")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kv-budget-gb", type=float, default=96.0, help="KV per GPU for the layers of one service")
+    parser.add_argument("--json", default="benchmarks/results/cp_scaling.json")
+    args = parser.parse_args(argv)
+    import ray
+
+    cases = [CASES[c] for c in args.cases.split(",")]
+    meta = {"date": date.today().isoformat(), "machine": platform.node(), "gpu": torch.cuda.get_device_name(),
+            "num_gpus": torch.cuda.device_count(), "torch": torch.__version__, "ray": ray.__version__,
+            "heads": [HQ, HK, D], "dtype": "bfloat16", "block_size": BLOCK}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "
+          f"ms/layer = step wall time / layers (medians of {args.repeats})")
+    print(HEADER)
+    kernels = {c.name: kernel_ms(c, usable_backend(c.backend), args.repeats) for c in cases}
+    rows = []
+    for gpus in map(int, args.gpus.split(",")):
+        for row in service_rows(gpus, cases, args.layers, args.repeats, args.kv_budget_gb):
+            row["kernel_ms"] = kernels[row["case"]]
+            row["speedup"] = row["kernel_ms"] / row["ms_per_layer"]
+            rows.append(row)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\nsummary (x kern = one 1-GPU kernel call / service ms per layer):")
+    print(HEADER)
+    for r in rows:
+        print(_fmt(r))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

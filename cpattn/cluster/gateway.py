@@ -1,0 +1,300 @@
+"""The client's side of the service: coordinator handle, data-plane group, local shards, epoch, rejoin.
+
+Legend: T tokens of a step, Q query heads, K kv heads, D head size, N partials.
+Per layer the gateway (rank 0 of its group) broadcasts q|k|v to the *remote* shards, computes the
+share of every *local* shard itself, receives each remote shard's computed rows and merges on its
+own device. A shard is local when it lives on this process's GPU: the client opens that shard's
+KV cache once per connection by CUDA IPC and runs the shard's kernels in its own process, because
+two processes taking turns on one GPU pay a context switch each way (~320 us per round trip on an
+H200) and NCCL cannot put two ranks on one GPU. Remote shards talk NCCL when every rank has a GPU
+of its own, gloo otherwise (CPU, or remote shards sharing a GPU).
+
+A step's commit is sent without waiting (``async_commit``): the coordinator's answer is collected
+by the next call this client makes, so a steady decode loop pays one Ray round trip per step
+(begin_step), not two.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from cpattn.attention import get_attn_backend
+from cpattn.attention.merge_triton import merge_partials
+from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_group, make_store, partial_tag
+from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
+from cpattn.cluster.rpc import call
+from cpattn.config import ServiceConfig
+from cpattn.errors import ConfigError, CpattnError, InvalidRequestError
+
+logger = logging.getLogger("cpattn")
+
+
+@dataclass
+class StepWire:
+    """What one open step needs per layer: local plans and the rows each remote rank returns."""
+
+    step_id: int
+    num_tokens: int
+    local: dict[int, PlannedStep]
+    remote_rows: dict[int, torch.Tensor | None]
+    """rank -> (R,) int64 rows on the gateway's device (None = all T); ranks with no rows are absent."""
+    nonfinite: list[torch.Tensor] = field(default_factory=list)
+    """Per attended layer on CUDA: a 0-dim bool, True if q|k|v held NaN/inf (read once, at the end)."""
+    broken: list[torch.Tensor] = field(default_factory=list)
+    """Per received partial: a 0-dim bool, True if it did not arrive whole (read once, at the end)."""
+
+
+@dataclass
+class PendingCommit:
+    """A committed step whose coordinator answer has not been read yet."""
+
+    step_id: int
+    request: dict[str, int]
+    replay: list[tuple[int, torch.Tensor]] | None
+    timings: dict[str, float]
+    """The Step's own timings dict: completed in place when the answer is read."""
+    ref: Any
+
+
+def client_device(config: ServiceConfig) -> torch.device:
+    """The GPU this process computes on (its current device) when the shards are on CUDA, else the CPU."""
+    if config.resolved_device() == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[dict]) -> str:
+    """nccl when the gateway and every remote shard each have a GPU of their own; gloo otherwise."""
+    gpus = [_gpu_uuid(device)] + [i.get("gpu_uuid") for i in remote_infos]
+    nccl_ok = device.type == "cuda" and None not in gpus and len(set(gpus)) == len(gpus)
+    if config.data_plane == "nccl" and not nccl_ok:
+        raise ConfigError("data_plane 'nccl' needs the client and every shard it reaches over the wire on a GPU "
+                          "of its own (NCCL cannot have two ranks on one GPU): use data_plane 'auto'")
+    if config.data_plane == "gloo":
+        return "gloo"
+    return "nccl" if nccl_ok else "gloo"
+
+
+def _gpu_uuid(device: torch.device) -> str | None:
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+
+
+def open_shared_cache(handle_args: tuple, device: torch.device) -> torch.Tensor:
+    """A shard's exported KV cache, opened on this process's index of the same physical GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(handle_args)
+    args[6] = device.index   # the shard numbered its GPU 0 (Ray narrows its visible devices)
+    return rebuild_cuda_tensor(*args)
+
+
+class Gateway:
+    def __init__(self, coordinator, config: ServiceConfig):
+        self.coordinator = coordinator
+        self.config = config
+        self.device = client_device(config)
+        self.plane: DataPlane | None = None
+        self.local: dict[int, ShardLayerRunner] = {}
+        self.remote: list[int] = []
+        self.pending: PendingCommit | None = None
+        self.open_step = None
+        self.last_step_timings: dict[str, float] = {}
+        self._guard = threading.Lock()
+        self._store = None
+        self.client_id: str = call(coordinator.register_client.remote(), config.rpc_timeout_s, "register_client")
+        self.join()
+
+    @property
+    def group_name(self) -> str:
+        return f"{self.client_id}-e{self.epoch}"
+
+    # Coordinator calls ---------------------------------------------------------------------------
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        """A coordinator call, after this client's previous commit was confirmed."""
+        self.flush()
+        return call(getattr(self.coordinator, method).remote(*args), timeout_s or self.config.rpc_timeout_s, method)
+
+    def flush(self) -> None:
+        """Read the answer to a commit sent without waiting; replay or report a step that failed after all."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        from cpattn.step import finish_deferred_commit
+
+        finish_deferred_commit(self, pending)
+
+    # Data plane ----------------------------------------------------------------------------------
+    def join(self) -> None:
+        """(Re)build: open the local shards' caches, then one group with the remote shards (rank 0 is us)."""
+        cfg = self.config
+        current = call(self.coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
+        self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
+        local_ranks = self._local_ranks(infos)
+        self.local = {}
+        for rank in local_ranks:
+            handles = call(self.shards[rank].export_kv.remote(), cfg.rpc_timeout_s, "export_kv")
+            backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
+                                       block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
+                                       num_kv_heads=cfg.num_kv_heads, device=self.device)
+            caches = [open_shared_cache(h, self.device) for h in handles]
+            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device)
+        self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
+        self.plane = None
+        if self.remote:
+            backend = choose_data_plane(cfg, self.device, [infos[r] for r in self.remote])
+            world = len(self.remote) + 1
+            host = ray.util.get_node_ip_address()
+            store = make_store(host, 0, world, True, cfg.collective_timeout_s)
+            joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend)
+                     for i, r in enumerate(self.remote)]
+            group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
+            call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
+            self._store = store   # the store must outlive the group
+            self.plane = DataPlane(group, 0, world, backend)
+        logger.info("cpattn client %s: %d local shard(s) on %s, %d over %s", self.client_id, len(self.local),
+                    self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
+
+    def _local_ranks(self, infos: list[dict]) -> list[int]:
+        if self.config.local_shards == "off" or self.device.type != "cuda":
+            return []
+        node = ray.get_runtime_context().get_node_id()
+        mine = _gpu_uuid(self.device)
+        return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]
+
+    def leave(self) -> None:
+        old = self.group_name
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
+        for r in self.remote:
+            try:
+                self.shards[r].leave_group.remote(old)
+            except Exception:
+                pass
+        self.local = {}   # drops the IPC mappings
+
+    def rejoin(self) -> None:
+        """After a shard was replaced or a collective failed: drop the group and the mappings, join again."""
+        self.leave()
+        self.join()
+
+    # One step ------------------------------------------------------------------------------------
+    def claim(self, step) -> None:
+        """One open step per client, atomically: a second thread or a nested step is rejected."""
+        with self._guard:
+            if self.open_step is not None:
+                raise InvalidRequestError("a step is already open on this client: a client serves one thread and "
+                                          "one step at a time (use a second client for concurrent steps)")
+            self.open_step = step
+
+    def release(self, step) -> None:
+        with self._guard:
+            if self.open_step is step:
+                self.open_step = None
+
+    def committed(self, timings: dict[str, float], report: dict) -> None:
+        """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported."""
+        timings["plan_s"] += report.get("shard_plan_s", 0.0)
+        timings["attention_s"] = report.get("attention_s", 0.0)
+        self.last_step_timings = dict(timings)
+
+    def wait_for_device(self, wire: StepWire) -> None:
+        """Before a commit: the step's GPU work (KV writes included) is done and every partial arrived whole.
+
+        Bounded by collective_timeout_s: a dead NCCL peer leaves our stream waiting, never the caller;
+        then the group is aborted (releasing the stream) and WireError raised.
+        """
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            deadline = time.monotonic() + self.config.collective_timeout_s
+            while not done.query():
+                if time.monotonic() > deadline:
+                    if self.plane is not None:
+                        self.plane.abort()
+                    raise WireError(f"step {wire.step_id}: the data plane did not finish within collective_timeout_s="
+                                    f"{self.config.collective_timeout_s}s (a shard died or hung)")
+                time.sleep(0)
+        if wire.broken and bool(torch.stack(wire.broken).any()):
+            raise WireError(f"step {wire.step_id}: a shard's partial did not arrive whole (the shard died or its "
+                            "collective was aborted)")
+
+    def begin(self, request: dict[str, int]) -> dict | None:
+        """Plan a step; None when the service moved to a new epoch (rejoin, then begin again)."""
+        cfg = self.config
+        info = self.call("begin_step", self.client_id, self.group_name, request, self.epoch, sorted(self.local),
+                         timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
+        if "rejoin" in info:
+            return None
+        local = {r: self.local[r].plan(p) for r, p in info["local_plans"].items()}
+        remote_rows = {r: (None if rows is None else rows.to(self.device))
+                       for r, rows in info["remote_rows"].items()}
+        info["wire"] = StepWire(info["step_id"], info["num_tokens"], local, remote_rows)
+        return info
+
+    def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
+               v_TKD: torch.Tensor) -> torch.Tensor:
+        """One layer: broadcast to remote shards, compute the local ones, merge every partial here."""
+        cfg = self.config
+        q, k, v = (x.to(self.device, non_blocking=True) for x in (q_TQD, k_TKD, v_TKD))
+        if self.plane is not None:
+            self.plane.send_layer(command, layer, wire.step_id, torch.cat([q, k, v], dim=1))
+        parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
+        dtype, lse_dtype = cfg.torch_dtype, lse_wire_dtype(cfg.torch_dtype)
+        for i, r in enumerate(self.remote):
+            if r in wire.remote_rows:
+                rows = wire.remote_rows[r]
+                n = wire.num_tokens if rows is None else rows.numel()
+                out, lse, broken = self.plane.recv_partial(i + 1, n, cfg.num_q_heads, cfg.head_size, dtype,
+                                                           lse_dtype, self.device, partial_tag(wire.step_id, layer))
+                wire.broken.append(broken)
+                parts.append((rows, out, lse))
+        return merge_rows(parts, wire.num_tokens)
+
+    def abort_wire(self, wire: StepWire) -> None:
+        """Release the remote shards still waiting for this step's layers (same message size as a layer)."""
+        if self.plane is None:
+            return
+        cfg = self.config
+        unused = torch.empty(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
+                             dtype=cfg.torch_dtype, device=self.device)
+        self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        except CpattnError as exc:
+            logger.warning("closing client %s: %s", self.client_id, exc)
+        self.leave()
+        try:
+            self.coordinator.unregister_client.remote(self.client_id)
+        except Exception:
+            pass
+
+
+def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int) -> torch.Tensor:
+    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    _, first, first_lse = parts[0]
+    if all(rows is None for rows, _, _ in parts):
+        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))[0]
+    outs_NTQD = first.new_zeros((len(parts), num_tokens) + tuple(first.shape[1:]))
+    lses_NTQ = first_lse.new_full((len(parts), num_tokens) + tuple(first_lse.shape[1:]), float("-inf"))
+    for n, (rows, out, lse) in enumerate(parts):
+        if rows is None:
+            outs_NTQD[n], lses_NTQ[n] = out, lse
+        else:
+            outs_NTQD[n].index_copy_(0, rows, out)
+            lses_NTQ[n].index_copy_(0, rows, lse)
+    return merge_partials(outs_NTQD, lses_NTQ)[0]
+
+
+__all__ = ["Gateway", "StepWire", "PendingCommit", "merge_rows", "choose_data_plane", "client_device"]

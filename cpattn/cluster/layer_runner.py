@@ -1,0 +1,86 @@
+"""One shard's attention work: plan a step once, then one call per layer. No Ray, no wire.
+
+Legend: T tokens of the step, R rows this shard computes, Q query heads, K kv heads, D head size.
+The shard actor runs it on the tensors it received over the data plane; a client that shares the
+shard's GPU runs the same code in its own process on the shard's KV cache opened by CUDA IPC
+(cpattn.cluster.gateway), so per-layer tensors never leave that GPU's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpattn.attention import AttentionSpec, to_natural_lse
+from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.attention.merge_triton import merge_partials
+from cpattn.cluster.step_planner import ShardStepPlan
+from cpattn.config import ServiceConfig
+from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
+
+
+@dataclass
+class PlannedStep:
+    """A step planned for one shard: the backend's plan and the device copies every layer reuses."""
+
+    plan: ShardStepPlan
+    attn_metadata: Any
+    replica_slots: torch.Tensor | None
+    pieces: torch.Tensor
+    rows: torch.Tensor | None
+    """(R,) int64 on the device, None = all T rows."""
+
+
+def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSEs travel in float32 (float64 for a float64 service, so the oracle comparison stays exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ShardLayerRunner:
+    def __init__(self, config: ServiceConfig, backend_cls, kv_caches: list[torch.Tensor], device: torch.device):
+        self.config = config
+        self.backend = backend_cls
+        self.kv_caches = kv_caches
+        self.device = device
+        self.dtype = config.torch_dtype
+        self.lse_dtype = lse_wire_dtype(self.dtype)
+        self.kernel_block_size = select_common_kernel_block_size(
+            config.block_size, [backend_cls.get_supported_kernel_block_sizes()])
+        spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
+                             self.kernel_block_size, str(device))
+        self.builder = backend_cls.get_builder_cls()(spec)
+        self.impl = backend_cls.get_impl_cls()(spec)
+
+    def plan(self, plan: ShardStepPlan) -> PlannedStep:
+        """Once per step: the backend plans, and the step's index tensors move to the device once."""
+        md = plan.metadata
+        if self.kernel_block_size != self.config.block_size:
+            # Slots are token addresses, identical under both page sizes; only the table changes.
+            md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
+                                                       self.kernel_block_size)
+        attn_md = self.builder.build(0, md.to(self.device))
+        replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
+        rows = None if plan.rows is None else plan.rows.to(self.device)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows)
+
+    def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
+                  v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV update, then this shard's partial: out [R, Q, D] (activation dtype), natural-log lse [R, Q].
+
+        No host synchronisation and no Python work that grows with T: every index was planned.
+        """
+        if step.replica_slots is not None:
+            write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots)
+        kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
+        out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata)
+        lse = to_natural_lse(lse.to(self.lse_dtype), self.backend.lse_base)
+        if step.pieces.numel():
+            new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces)
+            out, lse = merge_partials(torch.stack([out, new_out.to(out.dtype)]),
+                                      torch.stack([lse, new_lse.to(self.lse_dtype)]))
+        if step.rows is not None:
+            out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
+        return out.to(self.dtype), lse.to(self.lse_dtype)
+
