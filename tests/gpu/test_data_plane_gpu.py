@@ -118,6 +118,21 @@ def test_two_gpus_shared_remote_gpu_uses_gloo(ray_session):
         svc.shutdown()
 
 
+def _wait_dead(handle, timeout_s: float = 30.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the killed shard still answers")
+
+
 @_needs_gpus(2)
 def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
     """kv_replicas=2, the remote (NCCL) shard killed after layer 0: within collective_timeout_s the step
@@ -144,6 +159,7 @@ def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
                     step.attend(layer, q.cuda(), k.cuda(), v.cuda())
                     if layer == 0:
                         ray.kill(remote, no_restart=True)
+                        _wait_dead(remote)   # ray.kill returns before the process is gone
         assert time.monotonic() - t0 < cfg.collective_timeout_s + 30
         assert svc.sequences() == {i: oracle.length(i) for i in ids.values()}   # nothing committed
         pending = {}
