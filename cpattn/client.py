@@ -97,9 +97,7 @@ class Service:
     def step(self, request: dict[str, int]) -> "Step":
         """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""
         self._check_open()
-        if self.gateway.open_step is not None:
-            raise InvalidRequestError("a step is already open on this client: finish it before starting another "
-                                      "(use a second client for concurrent steps)")
+        self.gateway.check_no_open_step()
         return Step(self.gateway, dict(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------

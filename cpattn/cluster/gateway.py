@@ -31,7 +31,7 @@ from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_gr
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call
 from cpattn.config import ServiceConfig
-from cpattn.errors import ConfigError, CpattnError, InvalidRequestError
+from cpattn.errors import ConfigError, CpattnError, InvalidRequestError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
@@ -143,7 +143,12 @@ class Gateway:
             backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
                                        block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
                                        num_kv_heads=cfg.num_kv_heads, device=self.device)
-            caches = [open_shared_cache(h, self.device) for h in handles]
+            try:
+                caches = [open_shared_cache(h, self.device) for h in handles]
+            except RuntimeError as exc:
+                raise ServiceError(f"could not open shard {rank}'s KV cache on {self.device} by CUDA IPC ({exc}): "
+                                   "run the client where the shard's GPU is visible, or set local_shards='off' "
+                                   "to reach every shard over the data plane") from exc
             self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device)
         self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
         self.plane = None
@@ -189,10 +194,13 @@ class Gateway:
     def claim(self, step) -> None:
         """One open step per client, atomically: a second thread or a nested step is rejected."""
         with self._guard:
-            if self.open_step is not None:
-                raise InvalidRequestError("a step is already open on this client: a client serves one thread and "
-                                          "one step at a time (use a second client for concurrent steps)")
+            self.check_no_open_step()
             self.open_step = step
+
+    def check_no_open_step(self) -> None:
+        if self.open_step is not None:
+            raise InvalidRequestError("a step is already open on this client: finish it first; a client serves one "
+                                      "thread and one step at a time (use a second client for concurrent steps)")
 
     def release(self, step) -> None:
         with self._guard:
