@@ -281,10 +281,11 @@ class Coordinator:
                 self._check_client(client_id)
                 if epoch is not None and epoch != self.epoch:
                     return {"rejoin": self.epoch}
-                local = tuple(sorted(set(local_ranks))) if isinstance(local_ranks, (list, tuple)) else None
-                if local is None or not all(isinstance(r, int) and 0 <= r < self.config.num_shards for r in local):
+                if not isinstance(local_ranks, (list, tuple)) or not all(
+                        type(r) is int and 0 <= r < self.config.num_shards for r in local_ranks):
                     raise InvalidRequestError(f"local_ranks {local_ranks!r} must be shard ranks in "
                                               f"0..{self.config.num_shards - 1}")
+                local = tuple(sorted(set(local_ranks)))
                 if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
                         f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
