@@ -45,7 +45,14 @@ CASES = {
     "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),
     "prefill_128k": Case("prefill_128k", 1, 0, 131072, "FLASH_ATTN"),
     "chunked_8k_on_512k": Case("chunked_8k_on_512k", 1, 524288, 8192, "FLASH_ATTN"),
+    # The scale run (4 and 8 GPUs): the 1-GPU kernel column is measured where its KV fits one GPU.
+    "decode_4m": Case("decode_4m", 1, 4 * 1048576, 1, "TRITON"),
+    "decode_10m": Case("decode_10m", 1, 10 * 1048576, 1, "TRITON"),
+    "prefill_256k": Case("prefill_256k", 1, 0, 262144, "FLASH_ATTN"),
+    "prefill_1m": Case("prefill_1m", 1, 0, 1048576, "FLASH_ATTN"),
 }
+DEFAULT_CASES = ("decode_128k", "decode_512k", "decode_1m", "decode_b64_32k", "prefill_32k", "prefill_128k",
+                 "chunked_8k_on_512k")
 
 
 def usable_backend(name: str) -> str:
@@ -64,6 +71,11 @@ def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float) -> int
     tokens = case.batch * (case.context + case.new)
     per_layer = tokens * KV_BYTES_PER_TOKEN_LAYER / gpus
     return max(1, min(wanted, int(budget_gb * 2**30 // per_layer)))
+
+
+def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
+    """One layer of the whole batch's KV on one GPU (the kernel column); 10M tokens do not fit."""
+    return case.batch * (case.context + case.new) * KV_BYTES_PER_TOKEN_LAYER <= budget_gb * 2**30
 
 
 def kernel_ms(case: Case, backend: str, repeats: int) -> float:
@@ -166,7 +178,7 @@ HEADER = (f"{'case':>20} {'gpus':>4} {'layers':>6} {'wire':>6} {'plan/step':>9} 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2", help="service sizes (one shard per GPU)")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"any of {', '.join(CASES)}")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kv-budget-gb", type=float, default=96.0, help="KV per GPU for the layers of one service")
@@ -183,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "
           f"ms/layer = step wall time / layers (medians of {args.repeats})")
     print(HEADER)
-    kernels = {c.name: kernel_ms(c, usable_backend(c.backend), args.repeats) for c in cases}
+    kernels = {c.name: (kernel_ms(c, usable_backend(c.backend), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
+                        else float("nan")) for c in cases}
     rows = []
     for gpus in map(int, args.gpus.split(",")):
         for row in service_rows(gpus, cases, args.layers, args.repeats, args.kv_budget_gb):
