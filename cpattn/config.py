@@ -60,7 +60,9 @@ class ServiceConfig(BaseModel):
     otherwise (CPU, or shards sharing a GPU: CUDA tensors are staged through the host)."""
     local_shards: Literal["auto", "off"] = "auto"
     """auto: a client on a shard's GPU computes that shard's share in its own process, on the shard's KV
-    cache opened by CUDA IPC (no hand-over between two processes on one GPU); off: every shard over the wire."""
+    cache opened by CUDA IPC (no hand-over between two processes on one GPU); off: every shard over the wire.
+    A detached service (cpattn serve) always uses the wire: its coordinator may restart mid-step, and only
+    the shards themselves can fence a previous incarnation's writes."""
     async_commit: bool = True
     """Send a step's commit without waiting; the answer is read by the client's next call, so a decode loop
     pays one Ray round trip per step. A shard lost between the last layer and the commit is then reported

@@ -167,7 +167,9 @@ class Gateway:
                     self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
 
     def _local_ranks(self, infos: list[dict]) -> list[int]:
-        if self.config.local_shards == "off" or self.device.type != "cuda":
+        # A detached service's coordinator can restart mid-step; shards fence the old incarnation's writes,
+        # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
+        if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
             return []
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)
