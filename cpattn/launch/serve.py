@@ -47,18 +47,34 @@ def serve(args: argparse.Namespace) -> int:
     print(f"cpattn service {cfg.name!r} (namespace {cfg.namespace!r}) is up: {len(shards)} shards on "
           f"{len(nodes)} node(s), backend {first['backend']} ({first['kernel_version']}), device {first['device']}, "
           f"{first['num_blocks']} blocks of {cfg.block_size} tokens per shard", flush=True)
-    print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}); "
-          f"inspect with `cpattn status`; stop with `cpattn stop`", flush=True)
     if not embedded:
+        flags = target_flags(cfg, None if cfg.ray_address == "auto" else cfg.ray_address)
+        print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}); "
+              f"inspect with `cpattn status{flags}`; stop with `cpattn stop{flags}`", flush=True)
         # The coordinator is detached: it outlives this process on the cluster.
         if started_ray:
             ray.shutdown()
         return 0
     # An embedded Ray instance dies with the process that started it, so stay up until told to stop.
     address = ray.get_runtime_context().gcs_address
-    print(f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status --address {address}`; "
-          "use --address to run on a cluster that outlives this process)", flush=True)
-    return EmbeddedServer(coordinator, cfg).run()
+    flags = target_flags(cfg, address)
+    print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}, address={address!r})",
+          flush=True)
+    return EmbeddedServer(coordinator, cfg).run(
+        f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status{flags}`, "
+        f"`cpattn stop{flags}`; use --address to run on a cluster that outlives this process)")
+
+
+def target_flags(cfg: ServiceConfig, address: str | None) -> str:
+    """The flags another shell's `cpattn status` / `stop` needs to find this service (defaults left out)."""
+    import shlex
+
+    flags = [] if address is None else ["--address", address]
+    if cfg.name != "cpattn":
+        flags += ["--name", cfg.name]
+    if cfg.namespace != "cpattn":
+        flags += ["--namespace", cfg.namespace]
+    return "".join(" " + shlex.quote(f) for f in flags)
 
 
 class EmbeddedServer:
@@ -84,12 +100,14 @@ class EmbeddedServer:
         self.node = ray._private.worker._global_node
         self.workers: dict[int, object] = {}   # pid -> psutil.Process of the raylet's children
 
-    def run(self) -> int:
+    def run(self, announcement: str) -> int:
+        """Print ``announcement`` once signals are handled, then serve; the exit status."""
         import ray
 
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             try:
+                print(announcement, flush=True)
                 while True:
                     self._record_workers()
                     time.sleep(self.POLL_S)

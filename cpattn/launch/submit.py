@@ -38,8 +38,12 @@ def submit(args: argparse.Namespace) -> int:
 
     from ray.job_submission import JobStatus
 
-    for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk"):
-        logging.getLogger(name).setLevel(logging.WARNING)   # the SDK's INFO lines (upload, websocket) per job
+    # Ray's SDK logs INFO lines on every job (packaging, upload, websocket), and warns that .git and .venv are
+    # now left out of working_dir uploads, which DEFAULT_EXCLUDES already does.
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
 
     client = connect_job_server(args.address)
     try:
