@@ -218,13 +218,12 @@ def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     (job_dir / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1])\nsys.exit(int(sys.argv[2]))\n")
-    ok = _run([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
-               "python", "hello.py", "cpattn-job", "0"], timeout=120, env=env)
-    assert ok.returncode == 0, ok.stderr
-    assert "hello from cpattn-job" in ok.stdout and "SUCCEEDED" in ok.stderr
+    # A job that succeeds runs in test_readme_cluster_walkthrough (`auto`); here the --help example's form,
+    # a dashboard URL with nothing set, and a failing job's exit status.
     failed = _run([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
-                   "python", "hello.py", "failing", "3"], timeout=120, env=env)
-    assert failed.returncode == 1 and "FAILED" in failed.stderr
+                   "python", "hello.py", "failing-job", "3"], timeout=120, env=env)
+    assert failed.returncode == 1 and "FAILED" in failed.stderr, failed.stderr
+    assert "hello from failing-job" in failed.stdout and BANNER not in failed.stderr
 
     stopped = _run([*CLI, "stop", "--address", gcs, "--name", name], env=env)
     assert stopped.returncode == 0, stopped.stderr
@@ -292,49 +291,38 @@ def _printed_commands(line: str) -> dict[str, str]:
     return {m.split()[1]: m for m in re.findall(r"`(cpattn \w+ [^`]*)`", line)}
 
 
-def test_serve_embedded_status_as_printed_then_stopped_from_another_shell():
-    """Items 2 and 4: the status command serve prints runs as printed (nothing set); `cpattn stop` from
-    another shell ends serve with status 0 (it kept blocking on an empty Ray instance)."""
-    proc, lines = _start_embedded("cli-embedded")
+def test_serve_embedded_stops_cleanly_however_it_is_told():
+    """Items 2 and 4, three embedded serves side by side: (a) the status command serve prints runs as printed
+    (nothing set), then `cpattn stop` from another shell ends serve with status 0 (it kept blocking on an empty
+    Ray instance); (b) Ctrl-C (SIGINT to the group) and (c) SIGTERM to the group (timeout, systemd) stop it
+    with status 0 within seconds, leaving none of its processes (SIGTERM took 85 s, failed with "Failed to
+    connect to GCS within 60 seconds" and left a ShardWorker)."""
+    how = {"stop": "cli-embedded", signal.SIGINT: "cli-embedded-sigint", signal.SIGTERM: "cli-embedded-sigterm"}
+    procs = {key: _start_embedded(name) for key, name in how.items()}
     try:
-        printed = _printed_commands(_wait_serving(proc, lines))
-        assert printed["status"].endswith(" --name cli-embedded"), printed
-        status = _run(command(printed["status"]))
-        assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
-        assert BANNER not in status.stderr
-        assert proc.poll() is None   # still serving
-        stopped = _run(command(printed["stop"]))
-        assert stopped.returncode == 0, stopped.stderr
-        t0 = time.monotonic()
-        assert proc.wait(timeout=30) == 0
-        err = proc.stderr.read()
-        assert "service 'cli-embedded' was stopped" in err and BANNER not in err, err
-        assert time.monotonic() - t0 < 15
-        assert wait_session_empty(proc.pid, 15) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_session(proc.pid)
-
-
-def test_serve_embedded_stops_cleanly_on_sigint_and_sigterm():
-    """Item 4: Ctrl-C (SIGINT to the group) and SIGTERM to the group (timeout, systemd) both stop an embedded
-    serve with status 0 within seconds and leave none of its processes (SIGTERM took 85 s, failed with
-    "Failed to connect to GCS within 60 seconds" and left a ShardWorker). Both serves run side by side."""
-    procs = {sig: _start_embedded(f"cli-embedded-{sig.name.lower()}") for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for proc, lines in procs.values():
-            _wait_serving(proc, lines)
-        for sig, (proc, _) in procs.items():
-            os.killpg(proc.pid, sig)
+        serving = {key: _wait_serving(proc, lines) for key, (proc, lines) in procs.items()}
+        for key, (proc, _) in procs.items():
+            if key == "stop":
+                printed = _printed_commands(serving[key])
+                assert printed["status"].endswith(" --name cli-embedded"), printed
+                status = _run(command(printed["status"]))
+                assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
+                assert BANNER not in status.stderr
+                assert proc.poll() is None   # still serving
+                stopped = _run(command(printed["stop"]))
+                assert stopped.returncode == 0, stopped.stderr
+                expected = "service 'cli-embedded' was stopped"
+            else:
+                os.killpg(proc.pid, key)
+                expected = "stopping the service"
             t0 = time.monotonic()
-            assert proc.wait(timeout=60) == 0, (sig, proc.stderr.read())
+            assert proc.wait(timeout=60) == 0, (key, proc.stderr.read())
             took = time.monotonic() - t0
             left = wait_session_empty(proc.pid, 5)
             err = proc.stderr.read()
-            assert "stopping the service" in err and "Failed to connect to GCS" not in err, err
-            assert took < 10, (sig, took, err)
-            assert left == [], (sig, left)
+            assert expected in err and "Failed to connect to GCS" not in err and BANNER not in err, (key, err)
+            assert took < 10, (key, took, err)
+            assert left == [], (key, left)
     finally:
         for proc, _ in procs.values():
             if proc.poll() is None:
