@@ -100,35 +100,40 @@ def prepare_cluster(address: str | None) -> str:
                            "(`ray start --head` prints it; default port 6379), or ray://host:10001")
     check_tcp(resolved)
     user_mode = os.environ.get(AUTH_MODE_ENV)
-    error = _probe_gcs(resolved, user_mode or "disabled")
+    wants_token = user_mode is not None and user_mode.lower() == "token"
+    error = _probe_gcs(resolved, "disabled")
+    if error is None:   # the cluster takes clients without a token
+        if wants_token:
+            raise ServiceError(f"the Ray cluster at {shown} runs without token authentication but RAY_AUTH_MODE is "
+                               "'token' here, and a client in token mode cannot use such a cluster (its workers "
+                               "cannot call back into it): unset RAY_AUTH_MODE")
+        return resolved
+    if not _is_auth_error(error):
+        raise ServiceError(f"{shown} accepts connections but does not answer as a Ray cluster's GCS "
+                           f"({_one_line(error)}): give the GCS port of the head (`ray start --head --port`, "
+                           "default 6379), not e.g. the dashboard's 8265") from error
+    # The cluster wants a token.
+    if user_mode is not None and not wants_token:
+        raise ServiceError(f"the Ray cluster at {shown} uses token authentication but RAY_AUTH_MODE is "
+                           f"{user_mode!r} here: unset RAY_AUTH_MODE (or set it to token) and provide the "
+                           f"cluster's token in {TOKEN_SOURCES}") from error
+    if not token_available():
+        raise ServiceError(f"the Ray cluster at {shown} uses token authentication and no token was found in "
+                           f"{TOKEN_SOURCES}: put the cluster's token there (`ray get-auth-token` on its head "
+                           "prints it)") from error
+    if not wants_token:
+        use_token_auth()
+    error = _probe_gcs(resolved, "token")
     if error is None:
         return resolved
+    if not wants_token:   # leave the process as it was
+        os.environ.pop(AUTH_MODE_ENV, None)
+        _refresh_ray_config()
     if _is_auth_error(error):
-        if user_mode is None and token_available():
-            use_token_auth()
-            error = _probe_gcs(resolved, "token")
-            if error is None:
-                return resolved
-            os.environ.pop(AUTH_MODE_ENV, None)   # leave the process as it was
-            _refresh_ray_config()
-            if _is_auth_error(error):
-                raise ServiceError(f"the Ray cluster at {shown} rejected this machine's token ({TOKEN_SOURCES}): "
-                                   "use the cluster's token (`ray get-auth-token` on its head prints it) in "
-                                   "RAY_AUTH_TOKEN") from error
-        elif user_mode is None:
-            raise ServiceError(f"the Ray cluster at {shown} uses token authentication and no token was found in "
-                               f"{TOKEN_SOURCES}: put the cluster's token there (`ray get-auth-token` on its head "
-                               "prints it)") from error
-        elif user_mode.lower() != "token":
-            raise ServiceError(f"the Ray cluster at {shown} uses token authentication but RAY_AUTH_MODE is "
-                               f"{user_mode!r} here: unset RAY_AUTH_MODE (or set it to token) and provide the "
-                               f"cluster's token in {TOKEN_SOURCES}") from error
-        else:
-            raise ServiceError(f"the Ray cluster at {shown} rejected the token in {TOKEN_SOURCES}: use the "
-                               "cluster's token (`ray get-auth-token` on its head prints it)") from error
-    raise ServiceError(f"{shown} accepts connections but does not answer as a Ray cluster's GCS "
-                       f"({_one_line(error)}): give the GCS port of the head "
-                       "(`ray start --head --port`, default 6379), not e.g. the dashboard's 8265") from error
+        raise ServiceError(f"the Ray cluster at {shown} rejected the token found in {TOKEN_SOURCES}: use the "
+                           "cluster's token (`ray get-auth-token` on its head prints it), e.g. in RAY_AUTH_TOKEN"
+                           ) from error
+    raise ServiceError(f"the Ray cluster at {shown} did not answer with the token: {_one_line(error)}") from error
 
 
 def join_cluster(address: str, namespace: str, **init_kwargs) -> None:
