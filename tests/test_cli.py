@@ -324,7 +324,18 @@ def test_serve_embedded_stops_cleanly_however_it_is_told():
             assert took < 10, (key, took, err)
             assert left == [], (key, left)
     finally:
-        for proc, _ in procs.values():
+        _cleanup([proc for proc, _ in procs.values()])
+
+
+def _cleanup(procs: list[subprocess.Popen]) -> None:
+    """Kill each serve and whatever its session still holds; one failure does not leave the others running."""
+    errors = []
+    for proc in procs:
+        try:
             if proc.poll() is None:
                 proc.kill()
             kill_session(proc.pid)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
