@@ -14,8 +14,11 @@ __version__ = "0.1.0"
 def start(config: ServiceConfig | None = None, **fields):
     """Start a service (embedded local Ray unless config.ray_address) and return its client."""
     from cpattn.client import start as _start
+    from cpattn.cluster.service import check_backend
 
-    return _start(config if config is not None else ServiceConfig(**fields))
+    config = config if config is not None else ServiceConfig(**fields)
+    check_backend(config)   # CPU shards: a backend that cannot serve fails here, before Ray or any actor starts
+    return _start(config)
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0):

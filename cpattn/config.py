@@ -152,8 +152,17 @@ def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
     """Load a ServiceConfig from YAML; keyword overrides (e.g. CLI flags) win over file values."""
     import yaml
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {str(path)!r} does not exist: check the path (e.g. "
+                          "examples/service_local.yaml, relative to the current directory)") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(_describe_yaml_error(path, exc)) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of ServiceConfig fields, got {type(data).__name__}")
     data.update({k: v for k, v in overrides.items() if v is not None})
@@ -177,3 +186,13 @@ def _describe(exc: ValidationError) -> str:
         else:
             parts.append(f"{field}={value!r}: {msg}")
     return "; ".join(parts)
+
+
+def _describe_yaml_error(path: str | Path, exc: Exception) -> str:
+    """``file, line L, column C: problem: fix the YAML syntax`` (1-based, as editors count)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    return f"{where}: invalid YAML, {what}: fix the syntax there (a mapping of ServiceConfig fields, e.g. num_shards: 4)"

@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
 # Create .venv with cpattn and its test tools. torch==2.13.0 goes first: on the CPU machines it is a
 # local CPU build, and with it installed the project's `torch>=2.4` range pulls nothing more.
+# The install is editable, so code changes need no reinstall: a later run returns at once unless
+# pyproject.toml or this script changed (or the venv lost the package). pip's output is shown on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+stamp=.venv/.cpattn-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $root"
+if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && (cd / && "$root/.venv/bin/python" -c "import cpattn.config") 2>/dev/null; then
+  exit 0
+fi
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+pip_install() {
+  if ! .venv/bin/python -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    exit 1
+  fi
+}
+pip_install --upgrade pip || true
+.venv/bin/python -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+pip_install -e ".[test]"
+# The checkout as a sys.path entry: then a directory named `cpattn` holding the checkout cannot shadow the
+# installed package for scripts run from its parent (the editable install's import hook comes after it).
+site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$root" > "$site/_cpattn_checkout.pth"
+echo "$want" > "$stamp"

@@ -1,5 +1,8 @@
 """The `cpattn` command: help, config precedence and errors, status in-process, and a full round trip
-(serve --address, a client in another process, status, submit, stop) on a Ray head of the test's own."""
+(serve --address, a client in another process, status, submit, stop) on a Ray head of the test's own.
+
+Every subprocess runs with the environment a user has (tests/user_env.py): no RAY_AUTH_MODE, so Ray 2.60's
+default token authentication applies exactly as it does after `ray start --head`."""
 
 from __future__ import annotations
 
@@ -18,23 +21,17 @@ import torch
 
 from cpattn.errors import ConfigError
 from cpattn.launch.cli import build_parser, main
+from user_env import CPATTN, ROOT, command, kill_session, readme_block, user_env, wait_session_empty
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(**extra) -> dict:
-    """This checkout importable; no RAY_ADDRESS inherited, so Ray starts where the test says."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return dict(env, PYTHONPATH=str(ROOT), **extra)
-CLI = [sys.executable, "-m", "cpattn.launch.cli"]
+CLI = CPATTN
 SMALL = ["--num-shards", "2", "--num-layers", "1", "--num-q-heads", "2", "--num-kv-heads", "1", "--head-size", "8",
          "--block-size", "4", "--dtype", "float64", "--num-cpus-per-shard", "0.25", "--num-blocks-per-shard", "32"]
+BANNER = "Token authentication is enabled"   # Ray's banner; cpattn's commands set the mode and do not print it
 
 
-def _run(args, timeout=90, **kw):
-    # An explicit address never turns Ray's token mode on by itself: clients set it (README, Security).
-    env = _env(RAY_AUTH_MODE="token")
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env, **kw)
+def _run(args, timeout=90, env=None, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env or user_env(),
+                          **kw)
 
 
 # Help and config ----------------------------------------------------------------------------------
@@ -160,20 +157,25 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """`ray start --head --block` with every fixed port chosen free (another Ray may run on this machine),
-    its own temp dir, in its own process group; torn down by signal and group kill, never `ray stop`,
-    which would stop every Ray on the machine."""
+    """The README's `ray start --head`, with every fixed port chosen free (another Ray may run on this machine),
+    --block in a session of its own, and RAY_TMPDIR private so that `--address auto` finds this head and no
+    other. Torn down by killing its session's processes, never `ray stop`, which would stop every Ray on the
+    machine."""
     import shutil
     import urllib.error
     import urllib.request
 
-    temp_dir = f"/tmp/cpt{os.getpid()}"   # short: Ray's socket paths must stay under ~107 chars
-    gcs_port, dash_port, agent_port = _free_port(), _free_port(), _free_port()
-    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={gcs_port}", f"--dashboard-port={dash_port}", f"--dashboard-agent-listen-port={agent_port}",
-           "--include-dashboard=true", "--num-cpus=4", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    assert readme_block("tests/test_cli.py")[0] == "ray start --head"
+    tmp_root = f"/tmp/cpt{os.getpid()}"   # short: Ray's socket paths must stay under ~107 chars
+    os.makedirs(tmp_root, exist_ok=True)
+    env = user_env(RAY_TMPDIR=tmp_root)
+    gcs_port, dash_port, agent_port, client_port = _free_port(), _free_port(), _free_port(), _free_port()
+    cmd = command("ray start --head") + [
+        "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
+        f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
+        "--include-dashboard=true", "--num-cpus=4", "--disable-usage-stats"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env=_env())
+                            env=env)
     dashboard = f"http://127.0.0.1:{dash_port}"
     try:
         deadline = time.monotonic() + 90
@@ -187,33 +189,27 @@ def ray_head():
                 if time.monotonic() > deadline or proc.poll() is not None:
                     pytest.fail("the test's Ray head did not start")
                 time.sleep(1)
-        yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard}
+        yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "env": env}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:   # Ray's daemons run in the head's process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        kill_session(proc.pid)
+        proc.wait(timeout=30)
+        shutil.rmtree(tmp_root, ignore_errors=True)
 
 
 def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     gcs, dashboard = ray_head["gcs"], ray_head["dashboard"]
     name = "cli-roundtrip"
-    served = _run([*CLI, "serve", "--address", gcs, "--name", name, *SMALL])
+    env = ray_head["env"]
+    served = _run([*CLI, "serve", "--address", gcs, "--name", name, *SMALL], env=env)
     assert served.returncode == 0, served.stderr
     assert f"cpattn service {name!r} (namespace 'cpattn') is up: 2 shards on 1 node(s), backend TORCH" in served.stdout
 
     # serve has exited; the detached service answers a client in yet another process, exactly.
-    client = _run([sys.executable, "-c", CLIENT_SCRIPT, name, gcs])
+    client = _run([sys.executable, "-c", CLIENT_SCRIPT, name, gcs], env=env)
     assert client.returncode == 0, client.stderr
     assert float(client.stdout.split("MAXERR")[1]) < 1e-12
 
-    status = _run([*CLI, "status", "--address", gcs, "--name", name, "--json"])
+    status = _run([*CLI, "status", "--address", gcs, "--name", name, "--json"], env=env)
     assert status.returncode == 0, status.stderr
     status = json.loads(status.stdout)
     assert status["stats"]["num_sequences"] == 1 and [s["tokens"] for s in status["stats"]["shards"]] == [3, 3]
@@ -222,46 +218,124 @@ def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     (job_dir / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1])\nsys.exit(int(sys.argv[2]))\n")
-    ok = _run([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
-               "python", "hello.py", "cpattn-job", "0"], timeout=120)
-    assert ok.returncode == 0, ok.stderr
-    assert "hello from cpattn-job" in ok.stdout and "SUCCEEDED" in ok.stderr
+    # A job that succeeds runs in test_readme_cluster_walkthrough (`auto`); here the --help example's form,
+    # a dashboard URL with nothing set, and a failing job's exit status.
     failed = _run([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
-                   "python", "hello.py", "failing", "3"], timeout=120)
-    assert failed.returncode == 1 and "FAILED" in failed.stderr
+                   "python", "hello.py", "failing-job", "3"], timeout=120, env=env)
+    assert failed.returncode == 1 and "FAILED" in failed.stderr, failed.stderr
+    assert "hello from failing-job" in failed.stdout and BANNER not in failed.stderr
 
-    stopped = _run([*CLI, "stop", "--address", gcs, "--name", name])
+    stopped = _run([*CLI, "stop", "--address", gcs, "--name", name], env=env)
     assert stopped.returncode == 0, stopped.stderr
-    gone = _run([*CLI, "status", "--address", gcs, "--name", name])
+    gone = _run([*CLI, "status", "--address", gcs, "--name", name], env=env)
     assert gone.returncode == 1 and f"no cpattn service named {name!r}" in gone.stderr
 
 
-def test_serve_embedded_blocks_until_interrupted():
-    env = _env()
-    proc = subprocess.Popen([*CLI, "serve", "--name", "cli-embedded", *SMALL], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
+def test_readme_cluster_walkthrough(ray_head):
+    """README, "The `cpattn` command": the block after `ray start --head` (the fixture), run as printed, with
+    the head's default token authentication and nothing set: serve --address auto, status, submit (the job
+    attaches to the service), stop. Issue 11, item 1: submit failed with AuthenticationError."""
+    lines = readme_block("tests/test_cli.py")[1:]
+    assert lines[0] == "cpattn serve -c examples/service_local.yaml --address auto"
+    results = []
+    for line in lines:
+        result = _run(command(line), timeout=150, env=ray_head["env"])
+        assert result.returncode == 0, f"`{line}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert BANNER not in result.stderr and "Traceback" not in result.stderr, result.stderr
+        results.append(result)
+    served, status, submitted, stopped = results
+    assert "cpattn service 'cpattn' (namespace 'cpattn') is up: 4 shards" in served.stdout
+    assert "service 'cpattn' (namespace 'cpattn'): 4 shards on 1 node(s)" in status.stdout
+    assert "generated: [[" in submitted.stdout and "SUCCEEDED" in submitted.stderr
+    assert "stopped cpattn service 'cpattn'" in stopped.stdout
+
+
+def test_explicit_address_needs_no_auth_mode_and_a_wrong_token_is_one_line(ray_head):
+    """Item 2: `cpattn status --address <ip:port>` with nothing set (it printed 20 InvalidAuthToken lines);
+    a wrong token is one line naming where tokens are looked for."""
+    gcs = ray_head["gcs"]
+    status = _run([*CLI, "status", "--address", gcs, "--name", "no-such-service"], env=ray_head["env"])
+    assert status.returncode == 1 and "InvalidAuthToken" not in status.stderr, status.stderr
+    assert status.stderr.strip() == ("cpattn status: error: no cpattn service named 'no-such-service' in namespace "
+                                     "'cpattn': start one with cpattn.start(...) or `cpattn serve`, or pass the "
+                                     "right name/namespace")
+    wrong = _run([*CLI, "status", "--address", gcs], env=dict(ray_head["env"], RAY_AUTH_TOKEN="0" * 32))
+    assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert f"the Ray cluster at {gcs} rejected the token found in RAY_AUTH_TOKEN" in wrong.stderr
+
+
+def _start_embedded(name: str) -> tuple[subprocess.Popen, list[str]]:
+    """`cpattn serve` without an address, in a session of its own; returns once it serves, with its stdout."""
+    proc = subprocess.Popen([*CLI, "serve", "--name", name, *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=user_env(), start_new_session=True)
+    return proc, []
+
+
+def _wait_serving(proc: subprocess.Popen, lines: list[str]) -> str:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "serving until Ctrl-C" in line:
+            return line
+    proc.kill()
+    pytest.fail("serve did not come up:\n" + "".join(lines) + proc.stderr.read())
+
+
+def _printed_commands(line: str) -> dict[str, str]:
+    """The commands serve prints for other shells: {'status': 'cpattn status --address ...', 'stop': ...}."""
+    import re
+
+    return {m.split()[1]: m for m in re.findall(r"`(cpattn \w+ [^`]*)`", line)}
+
+
+def test_serve_embedded_stops_cleanly_however_it_is_told():
+    """Items 2 and 4, three embedded serves side by side: (a) the status command serve prints runs as printed
+    (nothing set), then `cpattn stop` from another shell ends serve with status 0 (it kept blocking on an empty
+    Ray instance); (b) Ctrl-C (SIGINT to the group) and (c) SIGTERM to the group (timeout, systemd) stop it
+    with status 0 within seconds, leaving none of its processes (SIGTERM took 85 s, failed with "Failed to
+    connect to GCS within 60 seconds" and left a ShardWorker)."""
+    how = {"stop": "cli-embedded", signal.SIGINT: "cli-embedded-sigint", signal.SIGTERM: "cli-embedded-sigterm"}
+    procs = {key: _start_embedded(name) for key, name in how.items()}
     try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "serving until Ctrl-C" in line:
-                break
-        assert any("serving until Ctrl-C" in l for l in lines), "".join(lines) + proc.stderr.read()
-        address = lines[-1].split("embedded Ray at ")[1].split(":")[0:2]
-        status = _run([*CLI, "status", "--address", ":".join(address), "--name", "cli-embedded"])
-        assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
-        assert proc.poll() is None   # still serving
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-        assert "stopping the service" in proc.stderr.read()
+        serving = {key: _wait_serving(proc, lines) for key, (proc, lines) in procs.items()}
+        for key, (proc, _) in procs.items():
+            if key == "stop":
+                printed = _printed_commands(serving[key])
+                assert printed["status"].endswith(" --name cli-embedded"), printed
+                status = _run(command(printed["status"]))
+                assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
+                assert BANNER not in status.stderr
+                assert proc.poll() is None   # still serving
+                stopped = _run(command(printed["stop"]))
+                assert stopped.returncode == 0, stopped.stderr
+                expected = "service 'cli-embedded' was stopped"
+            else:
+                os.killpg(proc.pid, key)
+                expected = "stopping the service"
+            t0 = time.monotonic()
+            assert proc.wait(timeout=60) == 0, (key, proc.stderr.read())
+            took = time.monotonic() - t0
+            left = wait_session_empty(proc.pid, 5)
+            err = proc.stderr.read()
+            assert expected in err and "Failed to connect to GCS" not in err and BANNER not in err, (key, err)
+            assert took < 10, (key, took, err)
+            assert left == [], (key, left)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _cleanup([proc for proc, _ in procs.values()])
+
+
+def _cleanup(procs: list[subprocess.Popen]) -> None:
+    """Kill each serve and whatever its session still holds; one failure does not leave the others running."""
+    errors = []
+    for proc in procs:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            if proc.poll() is None:
+                proc.kill()
+            kill_session(proc.pid)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]

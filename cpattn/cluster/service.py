@@ -28,7 +28,9 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  logging_level=logging.WARNING, configure_logging=True, log_to_driver=True)
     else:
-        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+        from cpattn.cluster.reach import join_cluster
+
+        join_cluster(address, namespace)
     return True
 
 
@@ -45,6 +47,7 @@ def launch_coordinator(config: ServiceConfig):
         # A shard dying in __init__ reaches us only as an opaque ActorDiedError: reject unknown names here,
         # with the registry's typed error listing the valid options, before anything is placed.
         load_backend_class(config.backend)
+    check_backend(config)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
                "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
     if config.detached:
@@ -69,6 +72,25 @@ def launch_coordinator(config: ServiceConfig):
                                "check the cluster's free resources (ray status)") from None
         raise
     return coordinator
+
+
+def check_backend(config: ServiceConfig) -> None:
+    """Select the attention backend here, as every shard will, where this process sees the shards' platform.
+
+    CPU shards run the same selection on the same registry (plugins included), so a backend that cannot
+    serve raises BackendUnavailableError with every reason now, before any actor (or Ray) starts, instead of
+    failing inside each shard's __init__. GPU shards are checked where they run: their devices and kernel
+    packages may differ from this process's.
+    """
+    if config.resolved_device() != "cpu":
+        return
+    from cpattn.attention.selector import get_attn_backend
+    from cpattn.kvstore import select_common_kernel_block_size
+
+    backend = get_attn_backend(config.backend, head_size=config.head_size, dtype=config.torch_dtype,
+                               block_size=config.block_size, num_q_heads=config.num_q_heads,
+                               num_kv_heads=config.num_kv_heads, device="cpu")
+    select_common_kernel_block_size(config.block_size, [backend.get_supported_kernel_block_sizes()])
 
 
 def find_coordinator(name: str, namespace: str):

@@ -34,6 +34,21 @@ def placement_group_name(service_name: str) -> str:
     return f"{service_name}-pg"
 
 
+def creation_error(exc: BaseException) -> str:
+    """What a shard's __init__ raised, without Ray's remote frames and colour codes: the cpattn error and its
+    indented detail lines (a BackendUnavailableError's reasons), else the error's last line."""
+    import re
+
+    lines = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        match = re.match(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)", lines[i])
+        if match:
+            tail = [line for line in lines[i + 1:] if line.startswith("  ") and line.strip()]
+            return "\n".join([f"{match.group(1)}: {match.group(2)}", *tail])
+    nonempty = [line for line in lines if line.strip()]
+    return nonempty[-1] if nonempty else type(exc).__name__
+
+
 class ShardSet:
     def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
         self.config = config
@@ -68,7 +83,7 @@ class ShardSet:
                     raise cause from None
                 raise ServiceError(f"a shard failed to start: {exc}") from exc
             except ray.exceptions.RayActorError as exc:
-                raise ServiceError(f"a shard failed to start: {exc}") from exc
+                raise ServiceError(f"a shard failed to start: {creation_error(exc)}") from exc
             ranks = assign_ranks([ShardLocation(i["bundle_index"], i["node_ip"], i["node_id"], tuple(i["gpu_ids"]))
                                   for i in infos])
             by_rank = sorted(range(len(handles)), key=lambda i: ranks[i])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -137,7 +138,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CpattnError as exc:
         print(f"cpattn {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"cpattn {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        # Ray's own errors (a connection lost mid-command, an RPC failure ...) end the command the same way:
+        # one line, not a traceback. Bugs of cpattn's own still show their traceback with CPATTN_DEBUG=1.
+        if os.environ.get("CPATTN_DEBUG") or not _is_ray_error(exc):
+            raise
+        print(f"cpattn {args.command}: error: {_one_line(exc)} (CPATTN_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _is_ray_error(exc: BaseException) -> bool:
+    """An error from Ray, its Job SDK, or the network under them (not a bug of cpattn's own)."""
+    module = type(exc).__module__ or ""
+    return module.split(".")[0] in ("ray", "requests", "urllib3", "aiohttp", "grpc") or isinstance(
+        exc, (ConnectionError, TimeoutError))
+
+
+def _one_line(exc: BaseException) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _run_passthrough(command: str, rest: list[str]) -> int:

@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpattn demo: {cfg.num_shards} shards on CPU, {cfg.num_layers} layers, Hq {hq} / Hk {hk} / D {d}, "
           f"prompts {prompts}, {args.decode_steps} decode steps")
     t_start = time.perf_counter()
+    import os
+
+    from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
+
+    if os.environ.get(AUTH_MODE_ENV) is None:
+        use_token_auth()   # what ray.init() does for the embedded instance anyway, minus its banner
     svc = cpattn.start(cfg)
     try:
         backend = svc.info()["shards"][0]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 import time
 
 from cpattn.config import ServiceConfig, load_config
@@ -24,16 +26,14 @@ def serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     import ray
 
-    from cpattn.cluster.service import ensure_ray, launch_coordinator, stop_coordinator
+    from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
+    from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
 
+    check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
     embedded = cfg.ray_address is None and not ray.is_initialized()
-    try:
-        started_ray = ensure_ray(cfg.ray_address, cfg.namespace,
-                                 num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
-    except ConnectionError as exc:
-        from cpattn.launch.common import connection_error
-
-        raise connection_error(cfg.ray_address, exc) from None
+    if embedded and os.environ.get(AUTH_MODE_ENV) is None:
+        use_token_auth()   # what ray.init() does for a new local instance, minus its banner on every serve
+    started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
     try:
         coordinator = launch_coordinator(cfg)
         described = ray.get(coordinator.describe.remote(), timeout=cfg.rpc_timeout_s)
@@ -47,27 +47,158 @@ def serve(args: argparse.Namespace) -> int:
     print(f"cpattn service {cfg.name!r} (namespace {cfg.namespace!r}) is up: {len(shards)} shards on "
           f"{len(nodes)} node(s), backend {first['backend']} ({first['kernel_version']}), device {first['device']}, "
           f"{first['num_blocks']} blocks of {cfg.block_size} tokens per shard", flush=True)
-    print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}); "
-          f"inspect with `cpattn status`; stop with `cpattn stop`", flush=True)
     if not embedded:
+        flags = target_flags(cfg, None if cfg.ray_address == "auto" else cfg.ray_address)
+        print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}); "
+              f"inspect with `cpattn status{flags}`; stop with `cpattn stop{flags}`", flush=True)
         # The coordinator is detached: it outlives this process on the cluster.
         if started_ray:
             ray.shutdown()
         return 0
     # An embedded Ray instance dies with the process that started it, so stay up until told to stop.
     address = ray.get_runtime_context().gcs_address
-    print(f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status --address {address}`; "
-          "use --address to run on a cluster that outlives this process)", flush=True)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping the service", file=sys.stderr, flush=True)
-    finally:
-        stop_coordinator(coordinator, cfg.rpc_timeout_s)
-        ray.shutdown()
-    return 0
+    flags = target_flags(cfg, address)
+    print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}, address={address!r})",
+          flush=True)
+    return EmbeddedServer(coordinator, cfg).run(
+        f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status{flags}`, "
+        f"`cpattn stop{flags}`; use --address to run on a cluster that outlives this process)")
+
+
+def target_flags(cfg: ServiceConfig, address: str | None) -> str:
+    """The flags another shell's `cpattn status` / `stop` needs to find this service (defaults left out)."""
+    import shlex
+
+    flags = [] if address is None else ["--address", address]
+    if cfg.name != "cpattn":
+        flags += ["--name", cfg.name]
+    if cfg.namespace != "cpattn":
+        flags += ["--namespace", cfg.namespace]
+    return "".join(" " + shlex.quote(f) for f in flags)
+
+
+class EmbeddedServer:
+    """Keeps an embedded service up until Ctrl-C, SIGTERM, or the service being stopped elsewhere.
+
+    Ctrl-C reaches the whole foreground process group, but Ray's daemons block SIGINT, so serve stops the
+    service through them. SIGTERM to the group (``timeout``, systemd) also reaches the raylet, GCS and Ray's
+    Python daemons, which drain or exit and stop answering; waiting on them cost 85 s. So every step of the
+    way out is bounded: when the daemons do not answer within seconds, serve kills the instance's daemons and
+    the service's worker processes itself (the raylet's children, recorded while serving) and exits 0.
+    A service stopped from another shell (`cpattn stop`) ends serve too, with status 0.
+    """
+
+    POLL_S = 1.0
+    STOP_TIMEOUT_S = 5.0
+    SHUTDOWN_TIMEOUT_S = 10.0
+
+    def __init__(self, coordinator, cfg: ServiceConfig):
+        import ray
+
+        self.coordinator = coordinator
+        self.cfg = cfg
+        self.node = ray._private.worker._global_node
+        self.workers: dict[int, object] = {}   # pid -> psutil.Process of the raylet's children
+
+    def run(self, announcement: str) -> int:
+        """Print ``announcement`` once signals are handled, then serve; the exit status."""
+        import ray
+
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            try:
+                print(announcement, flush=True)
+                while True:
+                    self._record_workers()
+                    time.sleep(self.POLL_S)
+                    if not self._daemons_alive():
+                        print("the embedded Ray instance stopped: exiting", file=sys.stderr, flush=True)
+                        self._exit_without_ray(1)
+                    try:
+                        ray.get_actor(self.cfg.name, namespace=self.cfg.namespace)
+                    except ValueError:
+                        print(f"service {self.cfg.name!r} was stopped (`cpattn stop`): shutting down the embedded "
+                              "Ray instance", file=sys.stderr, flush=True)
+                        ray.shutdown()
+                        return 0
+            except KeyboardInterrupt:
+                print("stopping the service", file=sys.stderr, flush=True)
+            # SIGTERM to the whole group (timeout, systemd) also reaches the raylet and GCS, which then drain
+            # and stop answering: stop through them only while they do, each step bounded, else take the
+            # instance down directly. Either way nothing of the embedded instance is left.
+            try:
+                time.sleep(0.3)   # a group-wide SIGTERM ends Ray's Python daemons within this
+                if (self._daemons_alive(every=True) and self._bounded(self._stop_service, self.STOP_TIMEOUT_S)
+                        and self._bounded(ray.shutdown, self.SHUTDOWN_TIMEOUT_S, watch_daemons=False)):
+                    return 0
+            except KeyboardInterrupt:   # a second Ctrl-C / SIGTERM: stop waiting
+                pass
+            self._exit_without_ray(0)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _bounded(self, fn, timeout_s: float, watch_daemons: bool = True) -> bool:
+        """Run ``fn`` in a thread; True if it returned within ``timeout_s`` (and, watching them, before the
+        daemons were seen gone)."""
+        worker = threading.Thread(target=fn, name=f"cpattn-serve-{fn.__name__}", daemon=True)
+        worker.start()
+        deadline = time.monotonic() + timeout_s
+        while worker.is_alive() and time.monotonic() < deadline and (not watch_daemons or self._daemons_alive()):
+            worker.join(0.1)
+        return not worker.is_alive()
+
+    def _stop_service(self) -> None:
+        from cpattn.cluster.service import stop_coordinator
+
+        try:
+            stop_coordinator(self.coordinator, min(self.cfg.rpc_timeout_s, self.STOP_TIMEOUT_S), self.cfg)
+        except Exception as exc:   # reported; the main thread still takes the instance down
+            print(f"stopping the service failed: {exc}", file=sys.stderr, flush=True)
+
+    def _daemons_alive(self, every: bool = False) -> bool:
+        """The GCS and raylet are running (``every``: all of the instance's daemons, which a signal to the
+        group reaches)."""
+        from ray._private import ray_constants
+
+        kinds = (self.node.all_processes if every else
+                 (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET))
+        for kind in kinds:
+            for info in self.node.all_processes.get(kind, []):
+                if info.process.poll() is not None:
+                    return False
+        return True
+
+    def _record_workers(self) -> None:
+        """The raylet's children (the coordinator, shards, idle workers): once the raylet is killed they are
+        orphans that linger until they notice, so serve remembers them to kill them on the way out."""
+        import psutil
+        from ray._private import ray_constants
+
+        for info in self.node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                for child in psutil.Process(info.process.pid).children(recursive=True):
+                    self.workers.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+
+    def _exit_without_ray(self, code: int) -> None:
+        """The daemons are gone: kill what is left of the instance and exit now (ray.shutdown() and the
+        atexit hooks would wait on the dead GCS)."""
+        import psutil
+
+        try:
+            self.node.kill_all_processes(check_alive=False, allow_graceful=False)
+        except Exception:
+            pass
+        for proc in self.workers.values():
+            try:
+                proc.kill()   # psutil checks the process is still the one recorded (pid reuse)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(list(self.workers.values()), timeout=5)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -33,31 +33,71 @@ def submit(args: argparse.Namespace) -> int:
         entrypoint = entrypoint[1:]
     if not entrypoint:
         raise ConfigError("submit needs a command after `--`: e.g. cpattn submit -- python examples/long_context_job.py")
+    import logging
     import shlex
 
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
+    # Ray's SDK logs INFO lines on every job (packaging, upload, websocket), and warns that .git and .venv are
+    # now left out of working_dir uploads, which DEFAULT_EXCLUDES already does.
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
+
+    client = connect_job_server(args.address)
     try:
-        client = JobSubmissionClient(args.address)
-    except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise ServiceError(f"cannot reach the Ray job server at {args.address or 'RAY_ADDRESS/auto'}: {exc}. "
-                           "Pass --address http://<head>:8265 (the dashboard port); an embedded `cpattn serve` "
-                           "has no job server, use `ray start --head` for jobs") from None
-    job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=build_runtime_env(args),
-                                submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus)
+        job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=build_runtime_env(args),
+                                    submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus)
+    except (RuntimeError, ValueError, OSError, ray_error()) as exc:
+        raise ServiceError(f"the job server at {client.get_address()} refused the job: {_first_line(exc)}") from exc
     print(f"submitted job {job_id}", file=sys.stderr, flush=True)
     if args.no_wait:
         print(job_id)
         return 0
     try:
         asyncio.run(_stream_logs(client, job_id))
+        job_status = _final_status(client, job_id)
     except KeyboardInterrupt:
         client.stop_job(job_id)
         print(f"stopping job {job_id}", file=sys.stderr)
         return 130
-    job_status = _final_status(client, job_id)
+    except (RuntimeError, ValueError, OSError, ray_error()) as exc:
+        raise ServiceError(f"lost the job server at {client.get_address()} while following job {job_id}: "
+                           f"{_first_line(exc)} (`ray job status {job_id}` shows it)") from exc
     print(f"job {job_id} {job_status.value}", file=sys.stderr)
     return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: 2}.get(job_status, 1)
+
+
+def connect_job_server(address: str | None):
+    """A JobSubmissionClient for ``address`` (a dashboard URL, a GCS address or 'auto'; default RAY_ADDRESS,
+    else the cluster on this machine), checked first: reachable within seconds, a Ray job server, and with
+    Ray's token authentication when the cluster asks for it. Raises ServiceError saying what to check."""
+    import os
+
+    from ray.job_submission import JobSubmissionClient
+
+    from cpattn.cluster.reach import prepare_job_server
+
+    url = prepare_job_server(address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"))
+    # Ray's SDK lets these variables override its address argument; the URL checked above is the one to use.
+    os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        return JobSubmissionClient(url)
+    except (RuntimeError, ValueError, OSError, ray_error()) as exc:
+        raise ServiceError(f"cannot use the Ray job server at {url}: {_first_line(exc)}") from exc
+
+
+def ray_error() -> type:
+    from ray.exceptions import RayError
+
+    return RayError
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _submit_with_retry(client, timeout_s: float = 60.0, **job) -> str:
