@@ -72,13 +72,15 @@ class Service:
 
     @property
     def group_name(self) -> str:
-        return f"{self.client_id}-e{self._epoch}"
+        return f"{self.client_id}-e{self._epoch}-g{self._generation}"
 
     def _join_data_plane(self) -> None:
         """(Re)build this client's group with the current shards; rank 0 is this process."""
         cfg = self.config
         current = _call(self._coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
         self._epoch, self._shards = current["epoch"], current["shards"]
+        self._generation = getattr(self, "_generation", 0) + 1   # a fresh group name on every (re)join
+        self._plane_broken = False
         world = cfg.num_shards + 1
         backend = cfg.resolved_data_plane()
         host = ray.util.get_node_ip_address()
@@ -137,6 +139,8 @@ class Service:
         if self._step is not None:
             raise InvalidRequestError("a step is already open on this client: finish it before starting another "
                                       "(use a second client for concurrent steps)")
+        if self._plane_broken:   # issue 12: a collective failed earlier; rebuild the group before the next step
+            self._rejoin()
         return Step(self, dict(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------

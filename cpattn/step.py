@@ -109,6 +109,7 @@ class Step:
             parts = plane.gather(torch.zeros(t, hq, d + 1, dtype=wire_dtype, device=packed.device))
             t1 = time.perf_counter()
         except Exception as exc:
+            self._svc._plane_broken = True   # issue 12: the group is unusable after any collective failure
             raise _WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
         partials = torch.stack(parts[1:]).to(packed.device)
         out, _ = merge_partials(partials[..., :d], partials[..., d], LseBase.E)

@@ -23,10 +23,11 @@ import ray
 from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
-from cpattn.cluster.shard_set import ShardSet
+from cpattn.cluster.shard_set import CONTROL_GROUP, ShardSet
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
-from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError
+from cpattn.errors import (CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError,
+                           StepFencedError)
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 logger = logging.getLogger("cpattn.coordinator")
@@ -69,6 +70,9 @@ class Coordinator:
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
         self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
+        # Bumped by every coordinator restart; every plan carries it and shards refuse older ones once fenced.
+        self.incarnation = 1
+        self._first_step = 1                 # steps numbered below this were begun by an earlier incarnation
         self.num_steps_committed = 0
         self.num_steps_rolled_back = 0
         self.num_shards_replaced = 0
@@ -94,14 +98,37 @@ class Coordinator:
             self.sequences[seq_id] = seq
         self.clients = {c: {"restored": True} for c in meta["clients"]}
         self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
+        self._first_step = self._next_step
+        self.incarnation = meta.get("incarnation", 1) + 1
+        self._persist_meta()    # a restart during the fence below must not reuse this incarnation
+        self._fence_shards()
         self.restored = True
         threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
         logger.warning("coordinator %r restarted: restored %d sequences, %d clients", cfg.name, len(records),
                        len(self.clients))
 
+    def _fence_shards(self) -> None:
+        """Before any page is handed out again: no step of an earlier incarnation may write on any shard.
+
+        The steps open when the previous incarnation died are not in the journal, so their pages are free
+        here; each shard refuses their remaining layers and returns once none of them is mid-write. A shard
+        that cannot confirm is treated as lost (the health check replaces it, killing the old process).
+        """
+        cfg = self.config
+        handles = self.shard_set.handles
+        refs = {rank: h.fence.options(concurrency_group=CONTROL_GROUP).remote(self.incarnation, cfg.rpc_timeout_s)
+                for rank, h in enumerate(handles) if h is not None and rank not in self.shard_set.lost}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=cfg.rpc_timeout_s + 5)
+            except Exception as exc:
+                self.shard_set.lost[rank] = f"could not be fenced after a coordinator restart ({type(exc).__name__})"
+                logger.error("shard %d: %s", rank, self.shard_set.lost[rank])
+
     def _persist_meta(self) -> None:
         if self.journal is not None:
             self.journal.put_meta({"epoch": self.epoch, "clients": list(self.clients), "dropped": dict(self.dropped),
+                                   "incarnation": self.incarnation,
                                    "next_step": self._next_step + 1000,   # never reuse a step id after restart
                                    "bundles": self.shard_set.bundles})
 
@@ -303,7 +330,7 @@ class Coordinator:
                 self._persist_meta()
             try:
                 plans = plan_step(self.allocator, requests, step_id, self.config.pcp_enabled,
-                                  self.config.pcp_min_tokens)
+                                  self.config.pcp_min_tokens, self.incarnation)
             except BaseException:
                 self.allocator.undo(growth)
                 raise
@@ -349,6 +376,11 @@ class Coordinator:
         with self._lock:
             step = self.steps.get(step_id)
             if step is None:
+                if isinstance(step_id, int) and not isinstance(step_id, bool) and 0 < step_id < self._first_step:
+                    self.metrics.record_error("StepFencedError")
+                    raise StepFencedError(
+                        f"step {step_id} was open when the coordinator restarted: the shards stopped writing it and "
+                        "it was rolled back (none of its tokens were committed); run the step again")
                 raise InvalidRequestError(f"step {step_id} is not open")
         reports, failure = [], data_plane_error
         if failure is None:
@@ -417,7 +449,8 @@ class Coordinator:
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}")
             growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])
-            plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1)
+            plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
+                              self.incarnation)
             seq.in_step = -1
             shards = list(self.shard_set.handles)
         try:

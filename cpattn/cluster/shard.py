@@ -19,9 +19,10 @@ from cpattn.attention import AttentionSpec, get_attn_backend, to_natural_lse, wr
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store
+from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError
+from cpattn.errors import CpattnError, StepFencedError
 from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 logger = logging.getLogger("cpattn.shard")
@@ -78,6 +79,7 @@ class ShardWorker:
         self._groups: dict[str, DataPlane] = {}
         self._lock = threading.Lock()
         self._hang = False
+        self._fence = StepFence()   # coordinator fencing: steps of an older incarnation never write (fencing.py)
         logger.info("shard %d: backend %s (%s), %d blocks of %d tokens, kernel pages of %d, device %s",
                     bundle_index, self.backend.get_name(), self.backend.kernel_version(), self.num_blocks,
                     config.block_size, self.kernel_block_size, self.device)
@@ -133,14 +135,41 @@ class ShardWorker:
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         hk, d = self.config.num_kv_heads, self.config.head_size
         for layer, cache in enumerate(self.kv_caches):
-            for start in range(0, plan.num_tokens, SYNTHETIC_CHUNK):
-                n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
-                k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)
-                k, v = k.to(self.dtype), v.to(self.dtype)
-                for chunk_slots in (slots, replica):
-                    if chunk_slots is not None:
-                        write_kv_cache(cache, k, v, chunk_slots[start:start + n])
+            if not self._fence.enter(plan.incarnation):
+                raise StepFencedError(f"shard {self.bundle_index}: fill_synthetic of coordinator incarnation "
+                                      f"{plan.incarnation} was fenced by a restarted coordinator: fill again")
+            try:
+                for start in range(0, plan.num_tokens, SYNTHETIC_CHUNK):
+                    n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
+                    k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)
+                    k, v = k.to(self.dtype), v.to(self.dtype)
+                    for chunk_slots in (slots, replica):
+                        if chunk_slots is not None:
+                            write_kv_cache(cache, k, v, chunk_slots[start:start + n])
+            finally:
+                self._fence.leave()
         return int((slots >= 0).sum())
+
+    # Coordinator fencing (issue 12) ----------------------------------------------------------------
+    def fence(self, incarnation: int, timeout_s: float) -> dict:
+        """Called by a restarted coordinator before it hands out any page: steps of older incarnations
+        write nothing more (see cluster/fencing.py). Returns once none of them is mid-write."""
+        report = self._fence.raise_floor(incarnation, timeout_s)
+        logger.warning("shard %d fenced coordinator incarnations below %d (%d steps were mid-write)",
+                       self.bundle_index, incarnation, report["waited_for"])
+        return report
+
+    def _refuse_fenced(self, plane: DataPlane, plan: ShardStepPlan, timings: dict | None = None) -> dict:
+        """A step of a fenced incarnation: write nothing, and drop its group so the client's collective fails
+        now (the client then learns from the coordinator that the step must be run again)."""
+        with self._lock:
+            for name in [n for n, p in self._groups.items() if p is plane]:
+                del self._groups[name]
+        plane.close()
+        logger.warning("shard %d: step %d of coordinator incarnation %d refused (fenced at %d)", self.bundle_index,
+                       plan.step_id, plan.incarnation, self._fence.floor)
+        return dict(timings or {}, outcome="fenced",
+                    error=f"step {plan.step_id} was fenced by a restarted coordinator")
 
     # Data plane -----------------------------------------------------------------------------------
     def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:
@@ -161,6 +190,8 @@ class ShardWorker:
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
+        if not self._fence.admits(plan.incarnation):   # fencing (issue 12): a restarted coordinator owns the pages
+            return self._refuse_fenced(plane, plan)
         t0 = time.perf_counter()
         md = plan.metadata
         if self.kernel_block_size != self.config.block_size:
@@ -174,6 +205,8 @@ class ShardWorker:
         except RuntimeError as exc:
             # The group broke (a peer died or timed out): report it as data, the coordinator decides.
             return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._fence.leave()   # fencing: this thread writes no more
 
     def _serve_layers(self, plane: DataPlane, plan: ShardStepPlan, attn_md, timings: dict) -> dict:
         pieces = plan.causal_pieces
@@ -194,12 +227,15 @@ class ShardWorker:
                 raise CpattnError(f"shard {self.bundle_index}: unexpected header {(command, layer, step_id, num_tokens)} "
                                   f"in step {plan.step_id} of {t} tokens")
             served.add(layer)
+            if not self._fence.enter(plan.incarnation):   # fencing (issue 12): write nothing past a restart
+                return self._refuse_fenced(plane, plan, timings)
             a0 = time.perf_counter()
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
             if replica_slots is not None:
                 write_kv_cache(self.kv_caches[layer], k, v, replica_slots)
             kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
             out, lse = self.impl.forward(layer, q, k, v, kv_cache, attn_md)
+            self._fence.leave()   # fencing: this layer's KV writes are done
             lse = to_natural_lse(lse.to(wire_dtype), self.backend.lse_base)
             if pieces.numel():
                 new_out, new_lse = self.impl.forward_new_tokens(q, k, v, pieces)

@@ -24,6 +24,9 @@ logger = logging.getLogger("cpattn.coordinator")
 
 # Threads per shard actor: one step loop per connected client plus control calls.
 SHARD_MAX_CONCURRENCY = 64
+# Pings, fencing and recovery copies run in their own threads: open steps can never starve them (issue 12).
+CONTROL_GROUP = "control"
+CONTROL_THREADS = 4
 
 
 def shard_actor_name(service_name: str, bundle_index: int) -> str:
@@ -104,14 +107,14 @@ class ShardSet:
             # Detached and named: the shards (and their KV) outlive a coordinator restart.
             options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
                        "lifetime": "detached"}
-        return ray.remote(ShardWorker).options(
+        return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(ShardWorker).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
             **options).remote(cfg, bundle_index, self._backend_registry)
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
-        refs = [None if h is None else h.ping.remote() for h in list(self.handles)]
+        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote() for h in list(self.handles)]
         deadline = time.monotonic() + timeout_s
         for rank, ref in enumerate(refs):
             if rank in self.lost or ref is None:

@@ -23,6 +23,8 @@ class ShardStepPlan:
     """[P, 3] (q_start, q_end, k_start): this shard's share of the causal part among new tokens."""
     replica_slot_mapping: torch.Tensor | None = None
     """(T,) int64: where this shard keeps its copy of ``primary_of(rank)``'s new tokens (-1 elsewhere)."""
+    incarnation: int = 0
+    """The planning coordinator's incarnation: shards refuse to write for a fenced one (cluster/fencing.py)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class StepRequest:
 
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
-              pcp_enabled: bool, pcp_min_tokens: int) -> list[ShardStepPlan]:
+              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated."""
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
@@ -54,5 +56,6 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
             replica_slots = make_dcp_context_metadata(query_lens, context_lens, replica_table, allocator.block_size,
                                                       n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
-                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots))
+                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
+                                   incarnation=incarnation))
     return plans
