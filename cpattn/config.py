@@ -86,6 +86,10 @@ class ServiceConfig(BaseModel):
     the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
+    max_open_steps: int = Field(48, ge=1, le=1024)
+    """Most steps open at once (each holds a thread on every shard while open); one more is refused with
+    CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing
+    have threads of their own."""
 
     def __init__(self, **data: Any):
         # Raise our own ConfigError (a ValueError too) so callers catch one hierarchy.

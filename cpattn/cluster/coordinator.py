@@ -69,6 +69,7 @@ class Coordinator:
         self.clients: dict[str, dict] = {}
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
+        self._draining: list[list] = []      # shard calls of rolled-back steps still holding a thread
         self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
         # Bumped by every coordinator restart; every plan carries it and shards refuse older ones once fenced.
         self.incarnation = 1
@@ -320,6 +321,7 @@ class Coordinator:
                     growths.append((seq.rows, seq.length + n))
                     requests.append(StepRequest(seq.rows, seq.length, n))
                 self._check_quota(client_id, sum(request.values()))
+                self._check_open_steps()
                 growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
@@ -356,6 +358,29 @@ class Coordinator:
             raise CapacityError(f"sequence {seq.seq_id}: {seq.length} + {extra} tokens exceed the whole KV cache "
                                 f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
                                 "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
+
+    def _check_open_steps(self) -> None:
+        """Each open step holds a thread on every shard: refuse one more than max_open_steps (issue 12).
+
+        Rolled-back steps whose shard calls have not returned yet (a client that died mid-step, until its
+        group breaks) still hold their threads and count too.
+        """
+        cap = self.config.max_open_steps
+        if len(self.steps) + len(self._draining) < cap:
+            return
+        if self._draining:
+            still = []
+            for refs in self._draining:
+                _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if pending:
+                    still.append(pending)
+            self._draining = still
+        held = len(self.steps) + len(self._draining)
+        if held >= cap:
+            raise CapacityError(
+                f"{held} steps are open on the shards, the most they serve at once (max_open_steps={cap}): finish "
+                "open steps first (a client holds one at a time), retry later, or raise max_open_steps",
+                needed=held + 1, free=0)
 
     def _check_quota(self, client_id: str, extra: int) -> None:
         quota = self.config.max_tokens_per_client
@@ -410,6 +435,8 @@ class Coordinator:
             else:
                 self.allocator.undo(step.growth)
                 self.num_steps_rolled_back += 1
+                if failure is not None and step.refs:
+                    self._draining.append(list(step.refs))
                 self.metrics.record_rollback()
             self._publish_blocks_used()
         if failure is None:
