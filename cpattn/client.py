@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from cpattn.cluster.data_plane import DataPlane, create_group, make_store
+from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
@@ -112,7 +113,7 @@ class Service:
 
     def free(self, seq_id: str) -> None:
         self._check_open()
-        _call(self._coordinator.free.remote(self.client_id, seq_id), self.config.rpc_timeout_s, "free")
+        _call(self._coordinator.free.remote(self.client_id, canonical_id(seq_id)), self.config.rpc_timeout_s, "free")
 
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""
@@ -120,7 +121,8 @@ class Service:
                      "list_sequences")
 
     def sequence_length(self, seq_id: str) -> int:
-        return _call(self._coordinator.sequence_length.remote(seq_id), self.config.rpc_timeout_s, "sequence_length")
+        return _call(self._coordinator.sequence_length.remote(canonical_id(seq_id)), self.config.rpc_timeout_s,
+                     "sequence_length")
 
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
@@ -129,7 +131,7 @@ class Service:
         fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()
-        return _call(self._coordinator.fill_synthetic.remote(self.client_id, seq_id, num_tokens, seed),
+        return _call(self._coordinator.fill_synthetic.remote(self.client_id, canonical_id(seq_id), num_tokens, seed),
                      self.config.rpc_timeout_s, "fill_synthetic")
 
     # Steps ----------------------------------------------------------------------------------------
@@ -141,7 +143,7 @@ class Service:
                                       "(use a second client for concurrent steps)")
         if self._plane_broken:   # issue 12: a collective failed earlier; rebuild the group before the next step
             self._rejoin()
-        return Step(self, dict(request) if isinstance(request, dict) else request)
+        return Step(self, canonical_request(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

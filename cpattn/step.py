@@ -171,6 +171,8 @@ class Step:
         for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
             if not isinstance(x, torch.Tensor):
                 raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.layout != torch.strided:   # issue 12: sparse tensors failed later with NotImplementedError
+                raise InvalidRequestError(f"{name} is a {x.layout} tensor: pass a dense one ({name}.to_dense())")
             if tuple(x.shape) != (t, heads, d):
                 raise InvalidRequestError(f"{name} has shape {tuple(x.shape)}, expected {(t, heads, d)} "
                                           f"(T = {t} new tokens in this step, heads, head_size)")

@@ -74,3 +74,50 @@ def test_open_steps_are_capped_and_never_starve_the_health_check(ray_session):
         for c in clients:
             c.close()
         svc.shutdown()
+
+
+class _EvilId(str):
+    """Equal to the id it wraps, with a hash of its own: a dict can hold it next to that id."""
+
+    def __hash__(self):
+        return hash(("evil", str.__str__(self)))
+
+
+def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_nothing(ray_session):
+    """Item 7: a sparse q/k/v is an InvalidRequestError (it was NotImplementedError); a str subclass equal to
+    an id cannot put one sequence twice into a step; a subclass id on its own means that sequence."""
+    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
+    svc = cpattn.start(cfg)
+    try:
+        oracle = Oracle(cfg, 32)
+        a, b = svc.add_sequence(), svc.add_sequence()
+        run_step(svc, oracle, {a: 6, b: 2})
+        before = snapshot(svc)
+        request = {a: 1, _EvilId(a): 1}
+        assert len(request) == 2
+        with pytest.raises(InvalidRequestError, match=f"sequence {a} appears twice"):
+            with svc.step(request):
+                pytest.fail("one sequence twice in a step must be refused")
+        assert snapshot(svc) == before and svc._step is None
+        for layout in ("coo", "csr"):
+            for which in range(3):
+                q, k, v = oracle.random_qkv(2)
+                args = [q, k, v]
+                args[which] = args[which].to_sparse() if layout == "coo" else args[which][:, 0].to_sparse_csr()
+                with pytest.raises(InvalidRequestError, match="dense"):
+                    with svc.step({a: 1, b: 1}) as step:
+                        step.attend(0, *args)
+                assert snapshot(svc) == before and svc._step is None
+        assert svc.sequence_length(_EvilId(a)) == 6      # a subclass id on its own names that sequence
+        pending = {}
+        with svc.step({_EvilId(a): 2, b: 1}) as step:
+            for layer in range(cfg.num_layers):
+                q, k, v = oracle.random_qkv(3)
+                ref, new_kv = oracle.reference({a: 2, b: 1}, layer, q, k, v)
+                assert (step.attend(layer, q, k, v).double() - ref).abs().max().item() <= TOL
+                pending.update(new_kv)
+        oracle.commit(pending)
+        assert svc.sequences() == {a: 8, b: 3}
+        run_step(svc, oracle, {a: 1, b: 1})
+    finally:
+        svc.shutdown()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
@@ -223,6 +224,7 @@ class Coordinator:
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
     def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
+        seq_ids = [canonical_id(s) for s in seq_ids]
         dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable
         if dropped:
             rank, why = self.dropped[dropped[0]]
@@ -256,6 +258,7 @@ class Coordinator:
             return seq_id
 
     def free(self, client_id: str, seq_id: str) -> None:
+        seq_id = canonical_id(seq_id)
         with self._lock:
             self._check_client(client_id)
             if isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences:
@@ -285,6 +288,7 @@ class Coordinator:
             raise InvalidRequestError(f"unknown client {client_id!r}: connect again with cpattn.connect()")
 
     def _get_sequence(self, seq_id) -> Sequence:
+        seq_id = canonical_id(seq_id)
         if not isinstance(seq_id, str) or seq_id not in self.sequences:
             raise InvalidRequestError(
                 f"unknown or freed sequence {seq_id!r}: use an id returned by add_sequence() that was not freed")
@@ -308,6 +312,7 @@ class Coordinator:
                 if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
                         f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
+                request = canonical_request(request)
                 self._raise_if_unavailable(list(request))
                 seqs, growths, requests = [], [], []
                 for seq_id, n in request.items():

@@ -152,7 +152,8 @@ class ShardSet:
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
-        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote() for h in list(self.handles)]
+        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote()
+                for h in list(self.handles)]
         deadline = time.monotonic() + timeout_s
         for rank, ref in enumerate(refs):
             if rank in self.lost or ref is None:
