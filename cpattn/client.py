@@ -9,6 +9,7 @@ coordinator once; nothing per layer goes through Ray.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import ray
@@ -54,7 +55,9 @@ def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None
 
 
 class Service:
-    """A client of one cpattn service. Not thread-safe: one open step at a time per client."""
+    """A client of one cpattn service, used by one thread: one open step at a time. A second thread opening
+    a step (or attending another thread's) is refused with InvalidRequestError; give each thread its own
+    ``cpattn.connect()``."""
 
     def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool):
         self.config = config
@@ -62,6 +65,7 @@ class Service:
         self._owns_service = owns_service
         self._owns_ray = owns_ray
         self._step: Step | None = None
+        self._step_guard = threading.Lock()   # makes "one open step per client" atomic across threads
         self._closed = False
         self._plane: DataPlane | None = None
         self.last_step_timings: dict[str, float] = {}
@@ -139,10 +143,8 @@ class Service:
         """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""
         self._check_open()
         if self._step is not None:
-            raise InvalidRequestError("a step is already open on this client: finish it before starting another "
-                                      "(use a second client for concurrent steps)")
-        if self._plane_broken:   # issue 12: a collective failed earlier; rebuild the group before the next step
-            self._rejoin()
+            raise InvalidRequestError("a step is already open on this client: finish it before starting another; "
+                                      "a client serves one thread (use a second client for concurrent steps)")
         return Step(self, canonical_request(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------

@@ -7,6 +7,7 @@ with a small header, gathers every shard's partial (out | natural-log LSE) and m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -59,11 +60,21 @@ class Step:
     def __enter__(self) -> "Step":
         if self._state != "new":
             raise InvalidRequestError(f"this step is {self._state}: start a new one with svc.step(...)")
-        if self._svc._step is not None:
-            raise InvalidRequestError("a step is already open on this client: steps cannot nest")
-        self._begin()
+        svc = self._svc
+        with svc._step_guard:   # issue 12: check-and-claim atomically; a second thread is refused here
+            if svc._step is not None:
+                raise InvalidRequestError("a step is already open on this client: steps cannot nest, and a client "
+                                          "serves one thread (give each thread its own cpattn.connect())")
+            svc._step = self
+        try:
+            if svc._plane_broken:   # issue 12: a collective failed earlier; rebuild the group first
+                svc._rejoin()
+            self._begin()
+        except BaseException:
+            svc._step = None
+            raise
         self._state = "open"
-        self._svc._step = self
+        self._thread = threading.get_ident()
         return self
 
     def _begin(self) -> None:
@@ -83,6 +94,9 @@ class Step:
         if self._state != "open":
             raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
                                       "use it inside `with svc.step(...) as step:`")
+        if threading.get_ident() != self._thread:   # issue 12: a client (and its step) is one-thread
+            raise InvalidRequestError("attend() from a thread other than the one that opened the step: a client "
+                                      "serves one thread (give each thread its own cpattn.connect())")
         self._validate(layer, q, k, v)
         packed = torch.cat([q, k, v], dim=1)
         for _ in range(MAX_RECOVERIES + 1):

@@ -121,3 +121,91 @@ def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_no
         run_step(svc, oracle, {a: 1, b: 1})
     finally:
         svc.shutdown()
+
+
+def _attend_all(svc, oracle, step, request):
+    """Attend every layer of an open step, each checked against the oracle; returns the pending history."""
+    pending = {}
+    for layer in range(svc.config.num_layers):
+        q, k, v = oracle.random_qkv(sum(request.values()))
+        ref, new_kv = oracle.reference(request, layer, q, k, v)
+        assert (step.attend(layer, q, k, v).double() - ref).abs().max().item() <= TOL
+        pending.update(new_kv)
+    return pending
+
+
+def test_a_client_is_one_thread_and_a_second_thread_is_refused_cleanly(ray_session):
+    """Item 4: two threads opening steps on one client at the same moment: exactly one gets the step (its
+    outputs exact), the other an InvalidRequestError; attending from another thread is refused; the client
+    stays usable."""
+    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
+    svc = cpattn.start(cfg)
+    try:
+        oracle = Oracle(cfg, 33)
+        seqs = [svc.add_sequence(), svc.add_sequence()]
+        run_step(svc, oracle, {seqs[0]: 5, seqs[1]: 3})
+        for _ in range(3):
+            barrier, refused = threading.Barrier(2), threading.Event()
+            outcome: dict = {}
+
+            def worker(sid):
+                barrier.wait()
+                try:
+                    with svc.step({sid: 1}) as step:
+                        refused.wait(10)                  # keep the step open until the other was refused
+                        pending = _attend_all(svc, oracle, step, {sid: 1})
+                    oracle.commit(pending)
+                    outcome[sid] = "committed"
+                except BaseException as exc:   # reported below
+                    outcome[sid] = exc
+                    refused.set()
+
+            threads = [threading.Thread(target=worker, args=(s,)) for s in seqs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert sorted(map(str, outcome.values())).count("committed") == 1, outcome
+            (err,) = [e for e in outcome.values() if e != "committed"]
+            assert isinstance(err, InvalidRequestError) and "one thread" in str(err), repr(err)
+            assert svc._step is None
+        with svc.step({seqs[0]: 2}) as step:
+            box = []
+            t = threading.Thread(target=lambda: box.append(pytest.raises(InvalidRequestError, step.attend, 0,
+                                                                         *oracle.random_qkv(2))))
+            t.start()
+            t.join(30)
+            assert box and "one thread" in str(box[0].value)
+            pending = _attend_all(svc, oracle, step, {seqs[0]: 2})
+        oracle.commit(pending)
+        assert svc.sequences() == {s: oracle.length(s) for s in seqs}
+        run_step(svc, oracle, {seqs[0]: 1, seqs[1]: 1})
+    finally:
+        svc.shutdown()
+
+
+def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retry_works(ray_session):
+    """Item 4: a shard paused 6 s (SIGSTOP, under shard_hang_timeout_s) makes the step's collective time out;
+    the error says to run the step again, nothing is replaced, and the retry on the same client is exact."""
+    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S, collective_timeout_s=2.0, shard_hang_timeout_s=30.0,
+                         health_check_interval_s=0.5)
+    svc = cpattn.start(cfg)
+    try:
+        oracle = Oracle(cfg, 34)
+        a = svc.add_sequence()
+        run_step(svc, oracle, {a: 7})
+        pid = ray.get(current_shards(svc)[1].info.remote(), timeout=RPC_S)["pid"]
+        os.kill(pid, signal.SIGSTOP)   # a shard actor this test started
+        resume = threading.Timer(6.0, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            with pytest.raises(ServiceError, match="run the step again"):
+                run_step(svc, oracle, {a: 2})
+        finally:
+            resume.join()
+            os.kill(pid, signal.SIGCONT)
+        for request in ({a: 2}, {a: 1}, {a: 3}):
+            run_step(svc, oracle, request)
+        assert svc.sequences() == {a: 13} and svc.stats()["shards_replaced"] == 0
+    finally:
+        svc.shutdown()

@@ -450,7 +450,8 @@ class Coordinator:
                     "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
         if not self.shard_set.lost and step.epoch == self.epoch:
             self.metrics.record_error("ServiceError")
-            raise ServiceError(f"step {step_id} failed and was rolled back: {failure}")
+            raise ServiceError(f"step {step_id} failed and was rolled back: {failure}; no shard was lost: run the step "
+                               "again (the client rebuilds its data-plane group first)")
         self.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
         with self._lock:
             # Sequences dropped while in this step are released now that the step is closed.
