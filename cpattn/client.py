@@ -16,6 +16,7 @@ import ray
 
 from cpattn.cluster.data_plane import DataPlane, create_group, make_store
 from cpattn.cluster.ids import canonical_id, canonical_request
+from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
@@ -45,13 +46,17 @@ def start(config: ServiceConfig) -> "Service":
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,
-            timeout_s: float = 60.0) -> "Service":
-    """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto')."""
+            timeout_s: float = 60.0, on_lapse: str = "free") -> "Service":
+    """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto').
+
+    ``on_lapse``: what happens to this client's sequences if it dies without close() (its lease lapses after
+    client_lease_s): "free" (default) or "keep". close() always keeps them.
+    """
     started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
     coordinator = find_coordinator(name, namespace)
     described = _call(coordinator.describe.remote(), timeout_s, "coordinator.describe")
     config = ServiceConfig(**described["config"])
-    return Service(coordinator, config, owns_service=False, owns_ray=started_ray)
+    return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse)
 
 
 class Service:
@@ -59,7 +64,8 @@ class Service:
     a step (or attending another thread's) is refused with InvalidRequestError; give each thread its own
     ``cpattn.connect()``."""
 
-    def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool):
+    def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool,
+                 on_lapse: str = "free"):
         self.config = config
         self._coordinator = coordinator
         self._owns_service = owns_service
@@ -70,7 +76,9 @@ class Service:
         self._plane: DataPlane | None = None
         self.last_step_timings: dict[str, float] = {}
         timeout = config.rpc_timeout_s
-        self.client_id: str = _call(coordinator.register_client.remote(), timeout, "register_client")
+        self.client_id: str = _call(coordinator.register_client.remote(on_lapse), timeout, "register_client")
+        self._lease = LeaseKeeper(coordinator, self.client_id, config.client_lease_s)   # issue 12: client leases
+        self._lease.start()
         described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
         self.shard_infos: list[dict] = described["shards"]
         self._join_data_plane()
@@ -159,6 +167,7 @@ class Service:
         if self._closed:
             return
         self._closed = True
+        self._lease.stop()
         for h in self._shards:
             try:
                 h.leave_group.remote(self.group_name)
@@ -178,6 +187,7 @@ class Service:
         """Stop the whole service (shards, placement group, coordinator); leaves nothing running."""
         was_closed = self._closed
         self._closed = True
+        self._lease.stop()
         if self._plane is not None:
             self._plane.close()
             self._plane = None

@@ -86,6 +86,10 @@ class ServiceConfig(BaseModel):
     the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
+    client_lease_s: float = Field(30.0, gt=0)
+    """A client that makes no call and sends no heartbeat (every client_lease_s / 3) for this long has ended:
+    its open step is rolled back, its data-plane groups dropped, its sequences freed (kept with
+    ``connect(on_lapse="keep")``). close() ends a client too, keeping its sequences."""
     max_open_steps: int = Field(48, ge=1, le=1024)
     """Most steps open at once (each holds a thread on every shard while open); one more is refused with
     CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing

@@ -209,3 +209,99 @@ def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retr
         assert svc.sequences() == {a: 13} and svc.stats()["shards_replaced"] == 0
     finally:
         svc.shutdown()
+
+
+DYING_CLIENT = """
+import logging, sys, time, ray, torch, cpattn
+ray.init(address=sys.argv[1], namespace=sys.argv[3], logging_level=logging.WARNING, log_to_driver=False)
+svc = cpattn.connect(name=sys.argv[2], namespace=sys.argv[3], on_lapse=sys.argv[4])
+cfg = svc.config
+a, b = svc.add_sequence(), svc.add_sequence()
+svc.fill_synthetic(a, 10, seed=1)
+step = svc.step({a: 5, b: 3}).__enter__()
+g = torch.Generator().manual_seed(0)
+step.attend(0, *(torch.randn(8, h, cfg.head_size, dtype=torch.float64, generator=g)
+                 for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
+print("READY", a, b, flush=True)
+time.sleep(600)
+"""
+
+
+def _shard_usage(svc) -> dict:
+    shards = current_shards(svc)
+    pids = [i["pid"] for i in ray.get([h.info.remote() for h in shards], timeout=RPC_S)]
+    stats = svc.stats()
+    return {"blocks": [s["blocks_used"] for s in stats["shards"]], "num_sequences": stats["num_sequences"],
+            "open_steps": stats["open_steps"], "num_clients": stats["num_clients"],
+            "groups": [len(g) for g in ray.get([h.group_names.remote() for h in shards], timeout=RPC_S)],
+            "fds": [len(os.listdir(f"/proc/{pid}/fd")) for pid in pids]}
+
+
+def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_periods(ray_session):
+    """Item 2: two client processes are SIGKILLed mid-step (one connected with on_lapse='free', one 'keep').
+    Within two lease periods their steps are rolled back, their groups (and fds) are gone from every shard,
+    the 'free' client's sequences are freed and the 'keep' client's stay (and can be freed by id); everything
+    else is untouched and exact."""
+    import select
+    import subprocess
+    import sys
+
+    lease = 2.0
+    cfg = service_config(num_shards=3, client_lease_s=lease, health_check_interval_s=0.2, rpc_timeout_s=RPC_S,
+                         collective_timeout_s=60.0)
+    svc = cpattn.start(cfg)
+    procs = {}
+    try:
+        oracle = Oracle(cfg, 35)
+        mine = svc.add_sequence()
+        run_step(svc, oracle, {mine: 6})
+        base = _shard_usage(svc)
+        gcs = ray.get_runtime_context().gcs_address
+        env = dict(os.environ, RAY_AUTH_MODE="token")
+        for mode in ("free", "keep"):
+            procs[mode] = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, gcs, cfg.name, cfg.namespace, mode],
+                                           stdout=subprocess.PIPE, text=True, env=env)
+        ids = {}
+        for mode, proc in procs.items():
+            assert select.select([proc.stdout], [], [], 180)[0], f"client {mode} did not get its step open"
+            line = proc.stdout.readline().split()
+            assert line[:1] == ["READY"], line
+            ids[mode] = line[1:]
+        during = _shard_usage(svc)
+        assert during["open_steps"] == 2 and during["num_clients"] == base["num_clients"] + 2
+        assert all(g == b + 2 for g, b in zip(during["groups"], base["groups"]))
+        with pytest.raises(InvalidRequestError, match="is in open step"):
+            svc.free(ids["free"][0])                     # a live client's open step protects its sequences
+        for proc in procs.values():
+            proc.kill()                                  # processes this test started
+            proc.wait(30)
+        t0 = time.monotonic()
+
+        def reclaimed():
+            now = _shard_usage(svc)
+            return now if (now["open_steps"] == 0 and now["groups"] == base["groups"]
+                           and now["num_sequences"] == base["num_sequences"] + 2
+                           and now["num_clients"] == base["num_clients"]) else None
+        after = wait_for(reclaimed, 10 * lease, "the dead clients' resources to come back", 0.05)
+        elapsed = time.monotonic() - t0
+        print(f"\ndead clients reclaimed in {elapsed:.2f}s (lease {lease}s); fds {base['fds']} -> "
+              f"{during['fds']} -> {after['fds']}")
+        assert elapsed <= 2 * lease
+        assert all(a <= b + 1 for a, b in zip(after["fds"], base["fds"])), (base["fds"], after["fds"])
+        # The 'keep' client's sequences stay at their committed lengths (its step rolled back) and free by id;
+        # the 'free' client's are gone.
+        keep_a, keep_b = ids["keep"]
+        assert svc.sequence_length(keep_a) == 10 and svc.sequence_length(keep_b) == 0
+        for sid in ids["free"]:
+            with pytest.raises(InvalidRequestError, match="unknown or freed"):
+                svc.sequence_length(sid)
+        svc.free(keep_a)
+        svc.free(keep_b)
+        assert _shard_usage(svc)["blocks"] == base["blocks"]
+        run_step(svc, oracle, {mine: 3})
+        assert svc.sequences() == {mine: 9}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        svc.shutdown()

@@ -22,6 +22,7 @@ import ray
 
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.journal import CoordinatorJournal
+from cpattn.cluster.lease import ON_LAPSE
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard_set import CONTROL_GROUP, ShardSet
@@ -98,7 +99,10 @@ class Coordinator:
             seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length)
             seq.persisted_pages = sum(len(p) for p in self.allocator.pages_of(seq.rows).values())
             self.sequences[seq_id] = seq
-        self.clients = {c: {"restored": True} for c in meta["clients"]}
+        clients = meta["clients"] if isinstance(meta["clients"], dict) else dict.fromkeys(meta["clients"], "free")
+        # Every restored client gets a fresh lease: it could not renew while the coordinator was down.
+        self.clients = {c: {"restored": True, "renewed": time.monotonic(), "on_lapse": on_lapse}
+                        for c, on_lapse in clients.items()}
         self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
         self._first_step = self._next_step
         self.incarnation = meta.get("incarnation", 1) + 1
@@ -129,7 +133,8 @@ class Coordinator:
 
     def _persist_meta(self) -> None:
         if self.journal is not None:
-            self.journal.put_meta({"epoch": self.epoch, "clients": list(self.clients), "dropped": dict(self.dropped),
+            self.journal.put_meta({"epoch": self.epoch, "dropped": dict(self.dropped),
+                                   "clients": {c: i.get("on_lapse", "free") for c, i in self.clients.items()},
                                    "incarnation": self.incarnation,
                                    "next_step": self._next_step + 1000,   # never reuse a step id after restart
                                    "bundles": self.shard_set.bundles})
@@ -180,6 +185,10 @@ class Coordinator:
                     self.recover()
             except Exception:   # never let the watchdog die; the next round retries
                 logger.exception("health check failed")
+            try:
+                self.expire_clients()
+            except Exception:
+                logger.exception("client lease check failed")
 
     def check_shards(self, timeout_s: float | None = None) -> dict[int, str]:
         """Ping every shard; returns rank -> why for the lost ones."""
@@ -233,17 +242,83 @@ class Coordinator:
                 "(replay the prompt), or run with kv_replicas=2 to survive shard loss", shard=rank, sequences=dropped)
 
     # Clients and sequences ------------------------------------------------------------------------
-    def register_client(self) -> str:
+    def register_client(self, on_lapse: str = "free") -> str:
+        if on_lapse not in ON_LAPSE:
+            raise InvalidRequestError(f"on_lapse {on_lapse!r}: use 'free' (a client that dies frees its sequences) "
+                                      "or 'keep'")
         client_id = secrets.token_hex(8)
         with self._lock:
-            self.clients[client_id] = {"created": time.time()}
+            self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
             self._persist_meta()
         return client_id
 
-    def unregister_client(self, client_id: str) -> None:
+    def renew(self, client_id: str) -> bool:
+        """A client's heartbeat; False when the client has ended (its lease lapsed): it must connect again."""
         with self._lock:
-            self.clients.pop(client_id, None)
+            info = self.clients.get(client_id) if isinstance(client_id, str) else None
+            if info is None:
+                return False
+            info["renewed"] = time.monotonic()
+            return True
+
+    def unregister_client(self, client_id: str) -> None:
+        """close(): end the client (open step rolled back, groups dropped); its sequences stay."""
+        self._end_client(client_id, "closed", free_sequences=False)
+
+    def expire_clients(self) -> list[str]:
+        """End every client whose lease lapsed (no call or heartbeat for client_lease_s)."""
+        lease = self.config.client_lease_s
+        now = time.monotonic()
+        with self._lock:
+            lapsed = [c for c, i in self.clients.items() if now - i.get("renewed", now) > lease]
+        for client_id in lapsed:
+            self._end_client(client_id, f"its lease lapsed (no call or heartbeat for {lease:g}s)")
+        return lapsed
+
+    def _end_client(self, client_id: str, why: str, free_sequences: bool | None = None) -> None:
+        """Roll back the client's open steps, free (or keep) its sequences, drop its groups on every shard."""
+        with self._lock:
+            info = self.clients.pop(client_id, None) if isinstance(client_id, str) else None
+            if info is None:
+                return
+            rolled_back = [s for s in self.steps.values() if s.client_id == client_id]
+            for step in rolled_back:
+                self._roll_back_open_step(step)
+            if free_sequences is None:
+                free_sequences = info.get("on_lapse", "free") == "free"
+            freed = []
+            if free_sequences:
+                for seq in [s for s in self.sequences.values() if s.owner == client_id and s.in_step is None]:
+                    self.allocator.release(seq.rows)
+                    del self.sequences[seq.seq_id]
+                    self.dropped.pop(seq.seq_id, None)
+                    if self.journal is not None:
+                        self.journal.delete_sequence(seq.seq_id)
+                    freed.append(seq.seq_id)
             self._persist_meta()
+            self._publish_blocks_used()
+            shards = [h for h in self.shard_set.handles if h is not None]
+        refs = [h.drop_client.remote(client_id) for h in shards]
+        try:
+            ray.get(refs, timeout=self.config.rpc_timeout_s)
+        except Exception as exc:   # a lost shard's groups went with it
+            logger.warning("dropping client %s's groups: %s", client_id, exc)
+        if why != "closed" or rolled_back:
+            logger.warning("client %s ended: %s; rolled back %d open step(s), freed %d sequence(s)", client_id, why,
+                           len(rolled_back), len(freed))
+
+    def _roll_back_open_step(self, step: OpenStep) -> None:
+        """Under the lock: close an open step without committing (its pages return)."""
+        self.steps.pop(step.step_id, None)
+        for seq_id in step.seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None and seq.in_step == step.step_id:
+                seq.in_step = None
+        self.allocator.undo(step.growth)
+        self.num_steps_rolled_back += 1
+        self.metrics.record_rollback()
+        if step.refs:
+            self._draining.append(list(step.refs))
 
     def add_sequence(self, client_id: str) -> str:
         with self._lock:
@@ -284,8 +359,11 @@ class Coordinator:
             return self._get_sequence(seq_id).length
 
     def _check_client(self, client_id: str) -> None:
-        if client_id not in self.clients:
-            raise InvalidRequestError(f"unknown client {client_id!r}: connect again with cpattn.connect()")
+        info = self.clients.get(client_id) if isinstance(client_id, str) else None
+        if info is None:
+            raise InvalidRequestError(f"unknown client {client_id!r} (closed, or its lease lapsed after "
+                                      "client_lease_s without a call or heartbeat): connect again with cpattn.connect()")
+        info["renewed"] = time.monotonic()   # every call renews the lease
 
     def _get_sequence(self, seq_id) -> Sequence:
         seq_id = canonical_id(seq_id)
@@ -425,6 +503,11 @@ class Coordinator:
             commit = False
             self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))
         with self._lock:
+            if self.steps.get(step_id) is not step:   # rolled back meanwhile: the client's lease lapsed
+                raise InvalidRequestError(f"step {step_id} was rolled back: its client ended (closed, or its lease "
+                                          "lapsed); connect again and run the step again")
+            if step.client_id in self.clients:
+                self.clients[step.client_id]["renewed"] = time.monotonic()
             self.steps.pop(step_id, None)
             for seq_id, new_len in zip(step.seq_ids, step.new_lengths):
                 seq = self.sequences.get(seq_id)
@@ -522,6 +605,7 @@ class Coordinator:
             return {"shards": shards, "num_sequences": len(self.sequences), "clients": per_client,
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
+                    "open_steps": len(self.steps), "num_clients": len(self.clients),
                     "kv_replicas": self.config.kv_replicas,
                     "backend": self.shard_set.infos[0]["backend"] if self.shard_set.infos else None,
                     "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}

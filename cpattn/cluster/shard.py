@@ -179,6 +179,19 @@ class ShardWorker:
             self._groups[group_name] = DataPlane(group, rank, world_size, backend)
         return True
 
+    def drop_client(self, client_id: str) -> int:
+        """Close every data-plane group of a client that ended (close() or a lapsed lease); returns how many."""
+        with self._lock:
+            names = [n for n in self._groups if n.startswith(f"{client_id}-")]
+            planes = [self._groups.pop(n) for n in names]
+        for plane in planes:
+            plane.close()
+        return len(planes)
+
+    def group_names(self) -> list[str]:
+        with self._lock:
+            return list(self._groups)
+
     def leave_group(self, group_name: str) -> None:
         with self._lock:
             plane = self._groups.pop(group_name, None)
