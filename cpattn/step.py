@@ -17,6 +17,7 @@ from cpattn.attention.merge import LseBase
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND
 from cpattn.cluster.rpc import call as _call
+from cpattn.cluster.rpc import call_across_restart
 from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
 
 if TYPE_CHECKING:
@@ -135,8 +136,7 @@ class Step:
         """Roll the broken step back; if the service recovered every sequence of it, begin again and replay."""
         svc = self._svc
         try:
-            _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
-                  svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+            self._end_step(False, why, svc.config.rpc_timeout_s + svc.config.start_timeout_s)
         except BaseException:
             self._close("rolled_back")
             raise
@@ -174,6 +174,14 @@ class Step:
         except CpattnError:
             pass
         raise ServiceError(why)
+
+    def _end_step(self, commit: bool, why: str | None, timeout: float) -> dict:
+        """end_step, asked again across a detached coordinator's restart (issue 12): the restarted one knows
+        from its journal whether the step committed, else raises StepFencedError (run the step again)."""
+        svc = self._svc
+        step_id = self._info["step_id"]
+        return call_across_restart(lambda: svc._coordinator.end_step.remote(step_id, commit, why), timeout, "end_step",
+                                   svc.config.rpc_timeout_s if svc.config.detached else 0.0)
 
     def _validate(self, layer, q, k, v) -> None:
         cfg = self._svc.config
@@ -220,7 +228,7 @@ class Step:
         while True:
             # The shards ended the step after the last layer; the coordinator commits it.
             try:
-                report = _call(svc._coordinator.end_step.remote(self._info["step_id"], True, None), timeout, "end_step")
+                report = self._end_step(True, None, timeout)
             except BaseException:
                 self._close("rolled_back")
                 raise
@@ -249,8 +257,7 @@ class Step:
             why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
         self._close("rolled_back")
         try:
-            report = _call(svc._coordinator.end_step.remote(self._info["step_id"], False, why),
-                           svc.config.rpc_timeout_s + svc.config.start_timeout_s, "end_step")
+            report = self._end_step(False, why, svc.config.rpc_timeout_s + svc.config.start_timeout_s)
             if report.get("recovered") or why is not None:
                 svc._rejoin()
         except CpattnError:

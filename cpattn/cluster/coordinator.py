@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import ray
 
 from cpattn.cluster.ids import canonical_id, canonical_request
-from cpattn.cluster.journal import CoordinatorJournal
+from cpattn.cluster.journal import CoordinatorJournal, SequenceUpdate
 from cpattn.cluster.lease import ON_LAPSE
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
@@ -42,6 +42,7 @@ class Sequence:
     length: int = 0
     in_step: int | None = None
     persisted_pages: int = -1   # pages the journal holds for this sequence (-1: none yet)
+    last_step: int = 0          # the step that committed ``length`` (journalled with it)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class Coordinator:
         restore_allocator(self.allocator, [(SequenceRows(r.primary, r.replica), r.length, r.pages)
                                            for r in records.values()])
         for seq_id, r in records.items():
-            seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length)
+            seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length, last_step=r.last_step)
             seq.persisted_pages = sum(len(p) for p in self.allocator.pages_of(seq.rows).values())
             self.sequences[seq_id] = seq
         clients = meta["clients"] if isinstance(meta["clients"], dict) else dict.fromkeys(meta["clients"], "free")
@@ -106,6 +107,7 @@ class Coordinator:
         self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
         self._first_step = self._next_step
         self.incarnation = meta.get("incarnation", 1) + 1
+        self.epoch += 1         # every client rebuilds its data-plane group (old groups may hold fenced steps)
         self._persist_meta()    # a restart during the fence below must not reuse this incarnation
         self._fence_shards()
         self.restored = True
@@ -140,15 +142,25 @@ class Coordinator:
                                    "bundles": self.shard_set.bundles})
 
     def _persist_sequence(self, seq: Sequence) -> None:
-        """After a commit: the length always, the page lists only when they changed."""
-        if self.journal is None:
+        self._persist_commit([seq])
+
+    def _persist_commit(self, seqs: list[Sequence]) -> None:
+        """After a commit: lengths (with the committing step) always, page lists only when they changed;
+        atomic over the step's sequences."""
+        if self.journal is None or not seqs:
             return
-        pages = self.allocator.pages_of(seq.rows)
-        num_pages = sum(len(p) for p in pages.values())
-        if num_pages != seq.persisted_pages:
-            self.journal.put_pages(seq.seq_id, seq.owner, seq.rows.primary, seq.rows.replica, pages)
-            seq.persisted_pages = num_pages
-        self.journal.put_length(seq.seq_id, seq.length)
+        updates = []
+        for seq in seqs:
+            pages = self.allocator.pages_of(seq.rows)
+            num_pages = sum(len(p) for p in pages.values())
+            value = None
+            if num_pages != seq.persisted_pages:
+                value = self.journal.pages_value(seq.owner, seq.rows.primary, seq.rows.replica, pages)
+            updates.append(SequenceUpdate(seq.seq_id, value, seq.length, seq.last_step))
+        self.journal.commit(updates)
+        for seq, u in zip(seqs, updates):
+            if u.pages is not None:
+                seq.persisted_pages = sum(len(p) for p in u.pages[3].values())
 
     # Lifecycle ------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
@@ -164,7 +176,7 @@ class Coordinator:
 
     def describe(self) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_set.infos, "lost": dict(self.shard_set.lost),
-                "epoch": self.epoch, "restored": self.restored,
+                "epoch": self.epoch, "restored": self.restored, "incarnation": self.incarnation,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
     def get_shards(self) -> dict:
@@ -403,6 +415,7 @@ class Coordinator:
                     seqs.append(seq)
                     growths.append((seq.rows, seq.length + n))
                     requests.append(StepRequest(seq.rows, seq.length, n))
+                self._check_step_size(sum(request.values()))
                 self._check_quota(client_id, sum(request.values()))
                 self._check_open_steps()
                 growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
@@ -441,6 +454,13 @@ class Coordinator:
             raise CapacityError(f"sequence {seq.seq_id}: {seq.length} + {extra} tokens exceed the whole KV cache "
                                 f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
                                 "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
+
+    def _check_step_size(self, num_tokens: int) -> None:
+        cap = self.config.max_tokens_per_step
+        if num_tokens > cap:
+            raise InvalidRequestError(
+                f"a step of {num_tokens} new tokens exceeds max_tokens_per_step={cap}: split the prefill into chunks "
+                f"of at most {cap} tokens (or raise max_tokens_per_step if the shards have the memory)")
 
     def _check_open_steps(self) -> None:
         """Each open step holds a thread on every shard: refuse one more than max_open_steps (issue 12).
@@ -485,6 +505,10 @@ class Coordinator:
             step = self.steps.get(step_id)
             if step is None:
                 if isinstance(step_id, int) and not isinstance(step_id, bool) and 0 < step_id < self._first_step:
+                    if any(s.last_step == step_id for s in self.sequences.values()):
+                        # The previous incarnation committed it (journalled) and died before answering.
+                        return {"shard_plan_s": 0.0, "attention_s": 0.0, "shard_wire_s": 0.0,
+                                "committed_before_restart": True}
                     self.metrics.record_error("StepFencedError")
                     raise StepFencedError(
                         f"step {step_id} was open when the coordinator restarted: the shards stopped writing it and "
@@ -509,14 +533,16 @@ class Coordinator:
             if step.client_id in self.clients:
                 self.clients[step.client_id]["renewed"] = time.monotonic()
             self.steps.pop(step_id, None)
+            committed = []
             for seq_id, new_len in zip(step.seq_ids, step.new_lengths):
                 seq = self.sequences.get(seq_id)
                 if seq is None:
                     continue
                 seq.in_step = None
                 if commit:
-                    seq.length = new_len
-                    self._persist_sequence(seq)
+                    seq.length, seq.last_step = new_len, step_id
+                    committed.append(seq)
+            self._persist_commit(committed)
             if commit:
                 self.num_steps_committed += 1
                 self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
