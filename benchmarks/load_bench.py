@@ -165,6 +165,18 @@ def main() -> None:
         for p in procs:
             p.join(timeout=60)
         wall = time.monotonic() - t_start
+        # Every client freed its sequences and closed: nothing may be left behind (blocks, steps, groups).
+        leak_deadline = time.monotonic() + 30
+        while True:
+            stats = svc.stats()
+            if (stats["open_steps"] == 0 and stats["num_clients"] == 1) or time.monotonic() > leak_deadline:
+                break
+            time.sleep(0.2)
+        shards = ray.get(svc._coordinator.get_shards.remote(), timeout=60)["shards"]
+        leftovers = {"blocks_used": [s["blocks_used"] for s in stats["shards"]], "open_steps": stats["open_steps"],
+                     "clients": stats["num_clients"] - 1,
+                     "groups_per_shard": [len(g) - 1 for g in ray.get([h.group_names.remote() for h in shards],
+                                                                      timeout=60)]}
     finally:
         svc.shutdown()
         ray.shutdown()
@@ -189,7 +201,8 @@ def main() -> None:
         "latency_max_ms": 1e3 * max(latencies, default=float("nan")),
         "memory_after_warmup": mem_warm, "memory_at_end": mem_end_live, "rss_growth_bytes": rss_growth,
         "kv_bytes_max": [max(x["kv_bytes_used"][i] for x in samples) for i in range(args.shards)],
-        "memory_samples": len(samples),
+        "memory_samples": len(samples), "leftovers_after_clients_exit": leftovers,
+        "rss_growth_pct": [round(100 * g / w, 1) for g, w in zip(rss_growth, mem_warm["rss_bytes"])],
     }
     rows = [("clients x duration", f"{args.clients} x {args.duration:.0f} s (+{args.warmup:.0f} s warm-up)"),
             ("errors", f"{len(errors)}"),
@@ -200,7 +213,10 @@ def main() -> None:
                                              f"{report['latency_max_ms']:.1f} ms"),
             ("shard KV bytes warm -> end", f"{mem_warm['kv_bytes_used']} -> {mem_end_live['kv_bytes_used']}"),
             ("shard RSS MiB warm -> end", f"{[round(x / 2**20, 1) for x in mem_warm['rss_bytes']]} -> "
-                                          f"{[round(x / 2**20, 1) for x in mem_end_live['rss_bytes']]}")]
+                                          f"{[round(x / 2**20, 1) for x in mem_end_live['rss_bytes']]} "
+                                          f"({report['rss_growth_pct']} %)"),
+            ("left after clients exit", f"blocks {leftovers['blocks_used']}, open steps {leftovers['open_steps']}, "
+                                        f"clients {leftovers['clients']}, groups/shard {leftovers['groups_per_shard']}")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -19,11 +19,12 @@ def start(config: ServiceConfig | None = None, **fields):
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0,
-            on_lapse: str = "free"):
+            on_lapse: str = "free", credential: str | None = None):
     """Attach to a running service by the name of its coordinator actor (on_lapse: see client.connect)."""
     from cpattn.client import connect as _connect
 
-    return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s, on_lapse=on_lapse)
+    return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s, on_lapse=on_lapse,
+                    credential=credential)
 
 
 __all__ = ["ServiceConfig", "load_config", "start", "connect", "CpattnError", "BackendUnavailableError",

@@ -14,7 +14,8 @@ from typing import Any
 
 import ray
 
-from cpattn.cluster.data_plane import DataPlane, create_group, make_store
+from cpattn.cluster.data_plane import DataPlane, create_group
+from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.rpc import call as _call
@@ -46,17 +47,19 @@ def start(config: ServiceConfig) -> "Service":
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,
-            timeout_s: float = 60.0, on_lapse: str = "free") -> "Service":
+            timeout_s: float = 60.0, on_lapse: str = "free", credential: str | None = None) -> "Service":
     """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto').
 
     ``on_lapse``: what happens to this client's sequences if it dies without close() (its lease lapses after
-    client_lease_s): "free" (default) or "keep". close() always keeps them.
+    client_lease_s): "free" (default) or "keep". close() always keeps them. ``credential``: the
+    ``Service.credential`` of a client that ended with sequences kept resumes that client (and its sequences).
     """
     started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
     coordinator = find_coordinator(name, namespace)
     described = _call(coordinator.describe.remote(), timeout_s, "coordinator.describe")
     config = ServiceConfig(**described["config"])
-    return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse)
+    return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse,
+                   credential=credential)
 
 
 class Service:
@@ -65,7 +68,7 @@ class Service:
     ``cpattn.connect()``."""
 
     def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool,
-                 on_lapse: str = "free"):
+                 on_lapse: str = "free", credential: str | None = None):
         self.config = config
         self._coordinator = coordinator
         self._owns_service = owns_service
@@ -76,12 +79,21 @@ class Service:
         self._plane: DataPlane | None = None
         self.last_step_timings: dict[str, float] = {}
         timeout = config.rpc_timeout_s
-        self.client_id: str = _call(coordinator.register_client.remote(on_lapse), timeout, "register_client")
-        self._lease = LeaseKeeper(coordinator, self.client_id, config.client_lease_s)   # issue 12: client leases
+        # issue 12: a public id (group names, stats) and a secret credential that every coordinator call proves.
+        registered = _call(coordinator.register_client.remote(on_lapse, credential), timeout, "register_client")
+        self.client_id: str = registered["client_id"]
+        self._credential: str = registered["credential"]
+        self._lease = LeaseKeeper(coordinator, self._credential, config.client_lease_s)   # issue 12: client leases
         self._lease.start()
         described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
         self.shard_infos: list[dict] = described["shards"]
         self._join_data_plane()
+
+    @property
+    def credential(self) -> str:
+        """This client's secret: every call proves it; ``connect(credential=...)`` resumes the client after it
+        ended with sequences kept (close(), or on_lapse='keep'). Never share it."""
+        return self._credential
 
     @property
     def group_name(self) -> str:
@@ -97,8 +109,10 @@ class Service:
         world = cfg.num_shards + 1
         backend = cfg.resolved_data_plane()
         host = ray.util.get_node_ip_address()
-        store = make_store(host, 0, world, True, cfg.collective_timeout_s)
-        joins = [h.join_group.remote(self.group_name, host, store.port, rank + 1, world, backend)
+        store = make_bound_store(host, world, cfg.collective_timeout_s)   # issue 12: listens on the node IP only
+        self._ticket = _call(self._coordinator.group_ticket.remote(self._credential, self.group_name),
+                             cfg.rpc_timeout_s, "group_ticket")                   # issue 12: proves the join
+        joins = [h.join_group.remote(self.group_name, host, store.port, rank + 1, world, backend, self._ticket)
                  for rank, h in enumerate(self._shards)]
         group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
         _call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
@@ -107,13 +121,13 @@ class Service:
 
     def _rejoin(self) -> None:
         """After a shard was replaced: drop the broken group and join a new one."""
-        old = self.group_name
+        old, old_ticket = self.group_name, self._ticket
         if self._plane is not None:
             self._plane.close()
             self._plane = None
         for h in self._shards:
             try:
-                h.leave_group.remote(old)
+                h.leave_group.remote(old, old_ticket)
             except Exception:
                 pass
         self._join_data_plane()
@@ -121,19 +135,19 @@ class Service:
     # Sequences ------------------------------------------------------------------------------------
     def add_sequence(self) -> str:
         self._check_open()
-        return _call(self._coordinator.add_sequence.remote(self.client_id), self.config.rpc_timeout_s, "add_sequence")
+        return _call(self._coordinator.add_sequence.remote(self._credential), self.config.rpc_timeout_s, "add_sequence")
 
     def free(self, seq_id: str) -> None:
         self._check_open()
-        _call(self._coordinator.free.remote(self.client_id, canonical_id(seq_id)), self.config.rpc_timeout_s, "free")
+        _call(self._coordinator.free.remote(self._credential, canonical_id(seq_id)), self.config.rpc_timeout_s, "free")
 
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""
-        return _call(self._coordinator.list_sequences.remote(self.client_id), self.config.rpc_timeout_s,
+        return _call(self._coordinator.list_sequences.remote(self._credential), self.config.rpc_timeout_s,
                      "list_sequences")
 
     def sequence_length(self, seq_id: str) -> int:
-        return _call(self._coordinator.sequence_length.remote(canonical_id(seq_id)), self.config.rpc_timeout_s,
+        return _call(self._coordinator.sequence_length.remote(self._credential, canonical_id(seq_id)), self.config.rpc_timeout_s,
                      "sequence_length")
 
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
@@ -143,7 +157,7 @@ class Service:
         fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()
-        return _call(self._coordinator.fill_synthetic.remote(self.client_id, canonical_id(seq_id), num_tokens, seed),
+        return _call(self._coordinator.fill_synthetic.remote(self._credential, canonical_id(seq_id), num_tokens, seed),
                      self.config.rpc_timeout_s, "fill_synthetic")
 
     # Steps ----------------------------------------------------------------------------------------
@@ -156,8 +170,10 @@ class Service:
         return Step(self, canonical_request(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        return _call(self._coordinator.stats.remote(), self.config.rpc_timeout_s, "stats")
+    def stats(self, admin: bool = False) -> dict[str, Any]:
+        """Usage: ``clients`` lists this client only, others are counted in ``other_clients``; ``admin=True``
+        lists every client by its public id (an operator's view)."""
+        return _call(self._coordinator.stats.remote(self._credential, admin), self.config.rpc_timeout_s, "stats")
 
     def info(self) -> dict[str, Any]:
         return _call(self._coordinator.describe.remote(), self.config.rpc_timeout_s, "describe")
@@ -170,11 +186,11 @@ class Service:
         self._lease.stop()
         for h in self._shards:
             try:
-                h.leave_group.remote(self.group_name)
+                h.leave_group.remote(self.group_name, self._ticket)
             except Exception:
                 pass
         try:
-            self._coordinator.unregister_client.remote(self.client_id)
+            self._coordinator.unregister_client.remote(self._credential)
         except Exception:
             pass
         if self._plane is not None:

@@ -81,7 +81,7 @@ class Step:
     def _begin(self) -> None:
         svc = self._svc
         for _ in range(MAX_RECOVERIES + 1):
-            info = _call(svc._coordinator.begin_step.remote(svc.client_id, svc.group_name, self._request, svc._epoch),
+            info = _call(svc._coordinator.begin_step.remote(svc._credential, svc.group_name, self._request, svc._epoch),
                          svc.config.rpc_timeout_s + svc.config.start_timeout_s, "begin_step")
             if "rejoin" not in info:
                 self._info = info
@@ -180,7 +180,8 @@ class Step:
         from its journal whether the step committed, else raises StepFencedError (run the step again)."""
         svc = self._svc
         step_id = self._info["step_id"]
-        return call_across_restart(lambda: svc._coordinator.end_step.remote(step_id, commit, why), timeout, "end_step",
+        return call_across_restart(lambda: svc._coordinator.end_step.remote(step_id, commit, why, svc._credential),
+                                   timeout, "end_step",
                                    svc.config.rpc_timeout_s if svc.config.detached else 0.0)
 
     def _validate(self, layer, q, k, v) -> None:

@@ -69,7 +69,8 @@ def test_open_steps_are_capped_and_never_starve_the_health_check(ray_session):
         for (step, pending), c, s in zip(open_steps, clients, seqs):
             _finish_step(c, oracle, step, {s: 4}, pending)
         checked_step(clients[2], oracle, {seqs[2]: 3}, tol=TOL)   # capacity is back
-        checked_step(svc, oracle, {idle: 1, seqs[0]: 2}, tol=TOL)  # nothing lost, everything exact
+        checked_step(svc, oracle, {idle: 1}, tol=TOL)               # nothing lost, everything exact
+        checked_step(clients[0], oracle, {seqs[0]: 2}, tol=TOL)
     finally:
         for c in clients:
             c.close()
@@ -222,7 +223,7 @@ step = svc.step({a: 5, b: 3}).__enter__()
 g = torch.Generator().manual_seed(0)
 step.attend(0, *(torch.randn(8, h, cfg.head_size, dtype=torch.float64, generator=g)
                  for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
-print("READY", a, b, flush=True)
+print("READY", svc.credential, a, b, flush=True)
 time.sleep(600)
 """
 
@@ -266,12 +267,10 @@ def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_per
             assert select.select([proc.stdout], [], [], 180)[0], f"client {mode} did not get its step open"
             line = proc.stdout.readline().split()
             assert line[:1] == ["READY"], line
-            ids[mode] = line[1:]
+            ids[mode] = line[1:]   # credential, sequence a, sequence b
         during = _shard_usage(svc)
         assert during["open_steps"] == 2 and during["num_clients"] == base["num_clients"] + 2
         assert all(g == b + 2 for g, b in zip(during["groups"], base["groups"]))
-        with pytest.raises(InvalidRequestError, match="is in open step"):
-            svc.free(ids["free"][0])                     # a live client's open step protects its sequences
         for proc in procs.values():
             proc.kill()                                  # processes this test started
             proc.wait(30)
@@ -288,15 +287,16 @@ def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_per
               f"{during['fds']} -> {after['fds']}")
         assert elapsed <= 2 * lease
         assert all(a <= b + 1 for a, b in zip(after["fds"], base["fds"])), (base["fds"], after["fds"])
-        # The 'keep' client's sequences stay at their committed lengths (its step rolled back) and free by id;
-        # the 'free' client's are gone.
-        keep_a, keep_b = ids["keep"]
-        assert svc.sequence_length(keep_a) == 10 and svc.sequence_length(keep_b) == 0
-        for sid in ids["free"]:
-            with pytest.raises(InvalidRequestError, match="unknown or freed"):
-                svc.sequence_length(sid)
-        svc.free(keep_a)
-        svc.free(keep_b)
+        # The 'keep' client's sequences stay at their committed lengths (its step rolled back): its credential
+        # resumes it. The 'free' client's are gone, and so is its credential.
+        cred, keep_a, keep_b = ids["keep"]
+        keeper = cpattn.connect(name=cfg.name, namespace=cfg.namespace, credential=cred)
+        assert keeper.sequences() == {keep_a: 10, keep_b: 0}
+        keeper.free(keep_a)
+        keeper.free(keep_b)
+        keeper.close()
+        with pytest.raises(InvalidRequestError, match="unknown credential"):
+            cpattn.connect(name=cfg.name, namespace=cfg.namespace, credential=ids["free"][0])
         assert _shard_usage(svc)["blocks"] == base["blocks"]
         run_step(svc, oracle, {mine: 3})
         assert svc.sequences() == {mine: 9}
@@ -304,4 +304,95 @@ def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_per
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
+        svc.shutdown()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses listening on ``port`` (from /proc/net/tcp, state 0A = LISTEN)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip_hex, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:
+                found.add(".".join(str(int(ip_hex[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_clients_cannot_see_read_or_touch_each_other(ray_session):
+    """Item 5: each client proves an unguessable credential; another client's sequence ids are exactly as
+    unknown as ids that never existed (list, step, length, fill, free), its step cannot be ended by others,
+    stats show other clients only in aggregate (admin lists public ids, never credentials), shards refuse
+    KV reads, plans and group joins that do not come from the coordinator, and the data-plane store listens
+    on the node IP only. A closed client's credential resumes it with its sequences."""
+    from cpattn.cluster.step_planner import ShardStepPlan
+
+    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
+    svc = cpattn.start(cfg)
+    spy = cpattn.connect(name=cfg.name, namespace=cfg.namespace)
+    try:
+        oracle = Oracle(cfg, 36)
+        mine = svc.add_sequence()
+        run_step(svc, oracle, {mine: 9})
+        assert svc.credential != spy.credential and len(svc.credential) >= 40
+        before = snapshot(svc, [spy])
+        never = "seq-" + "A" * 22
+        messages = {}
+        for sid in (mine, never):
+            for name, call in (("step", lambda: spy.step({sid: 1}).__enter__()),
+                               ("length", lambda: spy.sequence_length(sid)),
+                               ("fill", lambda: spy.fill_synthetic(sid, 2)), ("free", lambda: spy.free(sid))):
+                with pytest.raises(InvalidRequestError, match="unknown or freed sequence") as info:
+                    call()
+                messages[sid, name] = str(info.value).replace(sid, "<id>")
+        for name in ("step", "length", "fill", "free"):      # mine is exactly as unknown as one never issued
+            assert messages[mine, name] == messages[never, name]
+        assert spy.sequences() == {} and spy._step is None
+        assert snapshot(svc, [spy]) == before
+        # The coordinator itself refuses calls without (or with another client's) credential.
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown client credential"):
+            ray.get(svc._coordinator.list_sequences.remote(svc.client_id), timeout=RPC_S)   # the public id is no key
+        with svc.step({mine: 2}) as step:
+            with pytest.raises(ray.exceptions.RayTaskError, match="is not open"):
+                ray.get(svc._coordinator.end_step.remote(step._info["step_id"], False, "spy", spy.credential),
+                        timeout=RPC_S)
+            pending = _attend_all(svc, oracle, step, {mine: 2})
+        oracle.commit(pending)
+        assert svc.sequences() == {mine: 11}
+        # Stats: my own client, the others only in aggregate; the admin view by public id, no credential anywhere.
+        seen_by_spy = spy.stats()
+        assert seen_by_spy["clients"] == {} and seen_by_spy["other_clients"] == {"clients": 1, "sequences": 1,
+                                                                                  "tokens": 11}
+        admin = svc.stats(admin=True)
+        assert set(admin["clients"]) == {svc.client_id}
+        for text in (repr(admin), repr(seen_by_spy), repr(svc.info())):
+            assert svc.credential not in text and spy.credential not in text
+        # Shards: no KV read, plan or group join without the coordinator's secret / ticket.
+        shard = current_shards(svc)[0]
+        with pytest.raises(ray.exceptions.RayTaskError, match="read_blocks refused"):
+            ray.get(shard.read_blocks.remote([0]), timeout=RPC_S)
+        with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
+            ray.get(shard.join_group.remote(svc.group_name + "x", "127.0.0.1", 1, 1, 4, "gloo"), timeout=RPC_S)
+        with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
+            ray.get(shard.leave_group.remote(svc.group_name), timeout=RPC_S)
+        forged = ShardStepPlan(step_id=1, num_tokens=1, metadata=None, causal_pieces=torch.zeros(0, 3))
+        with pytest.raises(ray.exceptions.RayTaskError, match="a step plan refused"):
+            ray.get(shard.run_step.remote(spy.group_name, forged), timeout=RPC_S)
+        with pytest.raises(InvalidRequestError, match="not this client's"):
+            ray.get(svc._coordinator.group_ticket.remote(spy.credential, svc.group_name), timeout=RPC_S)
+        # The rendezvous store listens on the node IP only.
+        assert _listening_addresses(svc._store.port) == {ray.util.get_node_ip_address()}
+        # close() keeps the sequences; the credential resumes the client, exactly.
+        cred = spy.credential
+        theirs = spy.add_sequence()
+        run_step(spy, oracle, {theirs: 5})
+        spy.close()
+        spy = cpattn.connect(name=cfg.name, namespace=cfg.namespace, credential=cred)
+        assert spy.sequences() == {theirs: 5}
+        run_step(spy, oracle, {theirs: 1})
+        with pytest.raises(InvalidRequestError, match="still connected"):
+            cpattn.connect(name=cfg.name, namespace=cfg.namespace, credential=cred)
+        run_step(svc, oracle, {mine: 1})
+    finally:
+        spy.close()
         svc.shutdown()

@@ -12,6 +12,8 @@ all others continue. Each replacement bumps ``epoch``: clients then rebuild thei
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 import threading
@@ -64,12 +66,15 @@ class Coordinator:
         self.config = config
         self._lock = threading.RLock()
         self._recovery_lock = threading.Lock()
-        self.shard_set = ShardSet(config, backend_registry)
+        # Proves to shards that a call (KV reads/writes, plans, fencing) or a group join comes from this service.
+        self._shard_secret = secrets.token_hex(32)
+        self.shard_set = ShardSet(config, backend_registry, self._shard_secret)
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
                                             config.dcp_interleave, config.max_sequences, config.kv_replicas)
         self.sequences: dict[str, Sequence] = {}
         self.dropped: dict[str, tuple[int, str]] = {}   # seq_id -> (rank, why): KV lost with a shard
-        self.clients: dict[str, dict] = {}
+        self.clients: dict[str, dict] = {}   # public client id -> lease, on_lapse, credential hash
+        self._by_credential: dict[str, str] = {}   # sha256(credential) -> public client id
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
         self._draining: list[list] = []      # shard calls of rolled-back steps still holding a thread
@@ -93,6 +98,8 @@ class Coordinator:
     def _restore(self, meta: dict, records: dict) -> None:
         """Restarted by Ray: re-attach to the detached shards and rebuild sequences from the journal."""
         cfg = self.config
+        self._shard_secret = meta.get("shard_secret", self._shard_secret)
+        self.shard_set.secret = self._shard_secret
         self.shard_set.attach(meta["bundles"])
         restore_allocator(self.allocator, [(SequenceRows(r.primary, r.replica), r.length, r.pages)
                                            for r in records.values()])
@@ -104,6 +111,7 @@ class Coordinator:
         # Every restored client gets a fresh lease: it could not renew while the coordinator was down.
         self.clients = {c: {"restored": True, "renewed": time.monotonic(), "on_lapse": on_lapse}
                         for c, on_lapse in clients.items()}
+        self._by_credential = {h: c for h, c in meta.get("credentials", {}).items() if c in self.clients}
         self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
         self._first_step = self._next_step
         self.incarnation = meta.get("incarnation", 1) + 1
@@ -124,7 +132,8 @@ class Coordinator:
         """
         cfg = self.config
         handles = self.shard_set.handles
-        refs = {rank: h.fence.options(concurrency_group=CONTROL_GROUP).remote(self.incarnation, cfg.rpc_timeout_s)
+        refs = {rank: h.fence.options(concurrency_group=CONTROL_GROUP).remote(self.incarnation, cfg.rpc_timeout_s,
+                                                                              self._shard_secret)
                 for rank, h in enumerate(handles) if h is not None and rank not in self.shard_set.lost}
         for rank, ref in refs.items():
             try:
@@ -137,7 +146,8 @@ class Coordinator:
         if self.journal is not None:
             self.journal.put_meta({"epoch": self.epoch, "dropped": dict(self.dropped),
                                    "clients": {c: i.get("on_lapse", "free") for c, i in self.clients.items()},
-                                   "incarnation": self.incarnation,
+                                   "incarnation": self.incarnation, "shard_secret": self._shard_secret,
+                                   "credentials": dict(self._by_credential),
                                    "next_step": self._next_step + 1000,   # never reuse a step id after restart
                                    "bundles": self.shard_set.bundles})
 
@@ -226,13 +236,13 @@ class Coordinator:
                 copies = None
                 for s in live:
                     if self.allocator.local_tokens(s.length, rank) > 0:
-                        self.dropped[s.seq_id] = (rank, why)
+                        self.dropped[s.seq_id] = (rank, why, s.owner)
                         if s.in_step is None:
                             self.allocator.release(s.rows)
                             del self.sequences[s.seq_id]
         for copy in copies or []:
-            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks)
-            ray.get(new.write_blocks.remote(copy.dst_blocks, pages), timeout=cfg.rpc_timeout_s)
+            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks, self._shard_secret)
+            ray.get(new.write_blocks.remote(copy.dst_blocks, pages, self._shard_secret), timeout=cfg.rpc_timeout_s)
         with self._lock:
             self.shard_set.install(rank, new, info)
             self.epoch += 1
@@ -244,38 +254,72 @@ class Coordinator:
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
-    def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
+    def _raise_if_unavailable(self, seq_ids: list[str], client_id: str | None = None) -> None:
         seq_ids = [canonical_id(s) for s in seq_ids]
-        dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable
+        dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped   # ids may be hostile/unhashable
+                   and self._dropped_owner(s) in (None, client_id)]                 # others' ids stay unknown
         if dropped:
-            rank, why = self.dropped[dropped[0]]
+            rank, why = self.dropped[dropped[0]][:2]
             raise ShardLostError(
                 f"shard {rank} {why}: sequences {dropped} lost KV held there; start them again as new sequences "
                 "(replay the prompt), or run with kv_replicas=2 to survive shard loss", shard=rank, sequences=dropped)
 
+    def _dropped_owner(self, seq_id: str) -> str | None:
+        entry = self.dropped[seq_id]
+        return entry[2] if len(entry) > 2 else None   # journals before issue 12 did not record owners
+
     # Clients and sequences ------------------------------------------------------------------------
-    def register_client(self, on_lapse: str = "free") -> str:
+    def register_client(self, on_lapse: str = "free", credential: str | None = None) -> dict:
+        """A new client, or (with the credential of one that ended keeping its sequences) that client again."""
         if on_lapse not in ON_LAPSE:
             raise InvalidRequestError(f"on_lapse {on_lapse!r}: use 'free' (a client that dies frees its sequences) "
                                       "or 'keep'")
-        client_id = secrets.token_hex(8)
+        if credential is not None:
+            with self._lock:
+                client_id = self._client_of(credential)
+                if client_id is None:
+                    raise InvalidRequestError("unknown credential: its client ended and no sequence of it was kept "
+                                              "(connect without a credential for a new client)")
+                if client_id in self.clients:
+                    raise InvalidRequestError("the client of this credential is still connected: close() it first "
+                                              "(a credential serves one client at a time)")
+                self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
+                self._persist_meta()
+            return {"client_id": client_id, "credential": credential}
+        client_id = "c-" + secrets.token_hex(6)            # public: group names, stats, logs
+        credential = secrets.token_urlsafe(32)              # secret: every call of this client proves it
         with self._lock:
             self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
+            self._by_credential[_digest(credential)] = client_id
             self._persist_meta()
-        return client_id
+        return {"client_id": client_id, "credential": credential}
 
-    def renew(self, client_id: str) -> bool:
+    def _client_of(self, credential) -> str | None:
+        return self._by_credential.get(_digest(credential)) if isinstance(credential, str) else None
+
+    def renew(self, credential: str) -> bool:
         """A client's heartbeat; False when the client has ended (its lease lapsed): it must connect again."""
         with self._lock:
-            info = self.clients.get(client_id) if isinstance(client_id, str) else None
-            if info is None:
+            client_id = self._client_of(credential)
+            if client_id is None or client_id not in self.clients:
                 return False
-            info["renewed"] = time.monotonic()
+            self.clients[client_id]["renewed"] = time.monotonic()
             return True
 
-    def unregister_client(self, client_id: str) -> None:
+    def unregister_client(self, credential: str) -> None:
         """close(): end the client (open step rolled back, groups dropped); its sequences stay."""
-        self._end_client(client_id, "closed", free_sequences=False)
+        with self._lock:
+            client_id = self._client_of(credential)
+        if client_id is not None:
+            self._end_client(client_id, "closed", free_sequences=False)
+
+    def group_ticket(self, credential: str, group_name: str) -> str:
+        """What a client shows a shard to join (or leave) a data-plane group named after itself."""
+        with self._lock:
+            client_id = self._check_client(credential)
+            if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
+                raise InvalidRequestError(f"group {group_name!r} is not this client's: name it {client_id}-...")
+        return group_ticket(self._shard_secret, group_name)
 
     def expire_clients(self) -> list[str]:
         """End every client whose lease lapsed (no call or heartbeat for client_lease_s)."""
@@ -307,10 +351,13 @@ class Coordinator:
                     if self.journal is not None:
                         self.journal.delete_sequence(seq.seq_id)
                     freed.append(seq.seq_id)
+            if not any(s.owner == client_id for s in self.sequences.values()):
+                # Nothing kept: the credential is forgotten. Otherwise connect(credential=...) resumes the client.
+                self._by_credential = {h: c for h, c in self._by_credential.items() if c != client_id}
             self._persist_meta()
             self._publish_blocks_used()
             shards = [h for h in self.shard_set.handles if h is not None]
-        refs = [h.drop_client.remote(client_id) for h in shards]
+        refs = [h.drop_client.remote(self._shard_secret, client_id) for h in shards]
         try:
             ray.get(refs, timeout=self.config.rpc_timeout_s)
         except Exception as exc:   # a lost shard's groups went with it
@@ -332,9 +379,9 @@ class Coordinator:
         if step.refs:
             self._draining.append(list(step.refs))
 
-    def add_sequence(self, client_id: str) -> str:
+    def add_sequence(self, credential: str) -> str:
         with self._lock:
-            self._check_client(client_id)
+            client_id = self._check_client(credential)
             if not self.allocator.can_add_row():
                 raise InvalidRequestError(
                     f"the service holds max_sequences={self.config.max_sequences} sequences: free some or raise max_sequences")
@@ -344,14 +391,15 @@ class Coordinator:
             self._persist_sequence(seq)
             return seq_id
 
-    def free(self, client_id: str, seq_id: str) -> None:
+    def free(self, credential: str, seq_id: str) -> None:
         seq_id = canonical_id(seq_id)
         with self._lock:
-            self._check_client(client_id)
-            if isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences:
+            client_id = self._check_client(credential)
+            if (isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences
+                    and self._dropped_owner(seq_id) in (None, client_id)):
                 del self.dropped[seq_id]
                 return
-            seq = self._get_sequence(seq_id)
+            seq = self._get_sequence(seq_id, client_id)
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}: finish the step first")
             self.allocator.release(seq.rows)
@@ -361,31 +409,38 @@ class Coordinator:
                 self.journal.delete_sequence(seq_id)
             self._publish_blocks_used()
 
-    def list_sequences(self, client_id: str) -> dict[str, int]:
+    def list_sequences(self, credential: str) -> dict[str, int]:
         with self._lock:
+            client_id = self._check_client(credential)
             return {s.seq_id: s.length for s in self.sequences.values() if s.owner == client_id}
 
-    def sequence_length(self, seq_id: str) -> int:
+    def sequence_length(self, credential: str, seq_id: str) -> int:
         with self._lock:
-            self._raise_if_unavailable([seq_id])
-            return self._get_sequence(seq_id).length
+            client_id = self._check_client(credential)
+            self._raise_if_unavailable([seq_id], client_id)
+            return self._get_sequence(seq_id, client_id).length
 
-    def _check_client(self, client_id: str) -> None:
-        info = self.clients.get(client_id) if isinstance(client_id, str) else None
+    def _check_client(self, credential: str) -> str:
+        """The public id of the client holding ``credential``; renews its lease (every call does)."""
+        client_id = self._client_of(credential)
+        info = self.clients.get(client_id) if client_id is not None else None
         if info is None:
-            raise InvalidRequestError(f"unknown client {client_id!r} (closed, or its lease lapsed after "
-                                      "client_lease_s without a call or heartbeat): connect again with cpattn.connect()")
-        info["renewed"] = time.monotonic()   # every call renews the lease
+            raise InvalidRequestError("unknown client credential (closed, or its lease lapsed after client_lease_s "
+                                      "without a call or heartbeat): connect again with cpattn.connect()")
+        info["renewed"] = time.monotonic()
+        return client_id
 
-    def _get_sequence(self, seq_id) -> Sequence:
+    def _get_sequence(self, seq_id, client_id: str | None = None) -> Sequence:
+        """The caller's sequence; another client's id is exactly as unknown as an id that never existed."""
         seq_id = canonical_id(seq_id)
-        if not isinstance(seq_id, str) or seq_id not in self.sequences:
+        seq = self.sequences.get(seq_id) if isinstance(seq_id, str) else None
+        if seq is None or (client_id is not None and seq.owner != client_id):
             raise InvalidRequestError(
                 f"unknown or freed sequence {seq_id!r}: use an id returned by add_sequence() that was not freed")
-        return self.sequences[seq_id]
+        return seq
 
     # Steps ----------------------------------------------------------------------------------------
-    def begin_step(self, client_id: str, group_name: str, request: dict, epoch: int | None = None) -> dict:
+    def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None) -> dict:
         """Validate, allocate, plan once, and hand each shard its plan. Nothing changes if it raises.
 
         A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
@@ -396,17 +451,19 @@ class Coordinator:
             self.recover()
         with self._lock:
             try:
-                self._check_client(client_id)
+                client_id = self._check_client(credential)
+                if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
+                    raise InvalidRequestError(f"data-plane group {group_name!r} is not this client's")
                 if epoch is not None and epoch != self.epoch:
                     return {"rejoin": self.epoch}
                 if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
                         f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
                 request = canonical_request(request)
-                self._raise_if_unavailable(list(request))
+                self._raise_if_unavailable(list(request), client_id)
                 seqs, growths, requests = [], [], []
                 for seq_id, n in request.items():
-                    seq = self._get_sequence(seq_id)
+                    seq = self._get_sequence(seq_id, client_id)
                     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                         raise InvalidRequestError(f"sequence {seq_id}: num_new_tokens {n!r} must be an int >= 1")
                     self._check_fits(seq, n)
@@ -432,6 +489,8 @@ class Coordinator:
             except BaseException:
                 self.allocator.undo(growth)
                 raise
+            for plan in plans:
+                plan.auth = self._shard_secret
             for seq in seqs:
                 seq.in_step = step_id
             step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth,
@@ -494,7 +553,8 @@ class Coordinator:
             raise CapacityError(f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client "
                                 f"is {quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)
 
-    def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None) -> dict:
+    def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None,
+                 credential: str | None = None) -> dict:
         """Commit (lengths advance) or roll back (pages return).
 
         A failed step is rolled back; lost shards are replaced. Returns ``recovered: True`` when
@@ -502,7 +562,10 @@ class Coordinator:
         naming the sequences whose KV was lost otherwise.
         """
         with self._lock:
-            step = self.steps.get(step_id)
+            client_id = self._check_client(credential)
+            step = self.steps.get(step_id) if isinstance(step_id, int) else None
+            if step is not None and step.client_id != client_id:
+                step = None   # another client's step is as unknown as one that never existed
             if step is None:
                 if isinstance(step_id, int) and not isinstance(step_id, bool) and 0 < step_id < self._first_step:
                     if any(s.last_step == step_id for s in self.sequences.values()):
@@ -570,18 +633,18 @@ class Coordinator:
                     self.allocator.release(seq.rows)
                     del self.sequences[seq_id]
             try:
-                self._raise_if_unavailable(step.seq_ids)
+                self._raise_if_unavailable(step.seq_ids, step.client_id)
             except ShardLostError as exc:
                 self.metrics.record_error(type(exc).__name__)
                 raise
         return {"recovered": True, "epoch": self.epoch, "failure": failure}
 
-    def fill_synthetic(self, client_id: str, seq_id: str, num_tokens: int, seed: int) -> int:
+    def fill_synthetic(self, credential: str, seq_id: str, num_tokens: int, seed: int) -> int:
         """Append ``num_tokens`` of seeded random KV to a sequence without attention (benchmarks, load tests)."""
         with self._lock:
-            self._check_client(client_id)
-            self._raise_if_unavailable([seq_id])
-            seq = self._get_sequence(seq_id)
+            client_id = self._check_client(credential)
+            self._raise_if_unavailable([seq_id], client_id)
+            seq = self._get_sequence(seq_id, client_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
                 raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**40:
@@ -593,6 +656,8 @@ class Coordinator:
             growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])
             plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
                               self.incarnation)
+            for plan in plans:
+                plan.auth = self._shard_secret
             seq.in_step = -1
             shards = list(self.shard_set.handles)
         try:
@@ -609,8 +674,12 @@ class Coordinator:
             return seq.length
 
     # Stats ----------------------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, credential: str | None = None, admin: bool = False) -> dict:
+        """Service-wide usage. ``clients`` lists only the caller's own client (by its credential); every other
+        client is counted in ``other_clients`` (aggregate). ``admin=True`` (operators: ``cpattn status``) lists
+        every client by its public id."""
         with self._lock:
+            me = self._client_of(credential)
             bytes_per_block = self.config.bytes_per_block()
             shards = []
             for rank in range(self.config.num_shards):
@@ -624,14 +693,30 @@ class Coordinator:
                                "device": info.get("device"), "backend": info.get("backend"),
                                "alive": rank not in self.shard_set.lost})
             per_client: dict[str, dict] = {}
+            others = {"clients": len([c for c in self.clients if c != me]), "sequences": 0, "tokens": 0}
             for s in self.sequences.values():
-                c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
-                c["sequences"] += 1
-                c["tokens"] += s.length
+                if admin or s.owner == me:
+                    c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
+                    c["sequences"] += 1
+                    c["tokens"] += s.length
+                else:
+                    others["sequences"] += 1
+                    others["tokens"] += s.length
             return {"shards": shards, "num_sequences": len(self.sequences), "clients": per_client,
+                    "other_clients": others,
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
                     "open_steps": len(self.steps), "num_clients": len(self.clients),
                     "kv_replicas": self.config.kv_replicas,
                     "backend": self.shard_set.infos[0]["backend"] if self.shard_set.infos else None,
                     "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}
+
+
+def _digest(credential: str) -> str:
+    """Credentials are kept (and journalled) only as hashes."""
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def group_ticket(secret: str, group_name: str) -> str:
+    """HMAC of a group name under the shards' secret: a shard lets a client join or leave only its own groups."""
+    return hmac.new(secret.encode(), group_name.encode(), hashlib.sha256).hexdigest()

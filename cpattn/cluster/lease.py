@@ -26,23 +26,22 @@ ON_LAPSE = ("free", "keep")
 class LeaseKeeper(threading.Thread):
     """Renews one client's lease until stopped (close/shutdown) or the coordinator says it has ended."""
 
-    def __init__(self, coordinator, client_id: str, lease_s: float):
-        super().__init__(daemon=True, name=f"cpattn-lease-{client_id[:6]}")
+    def __init__(self, coordinator, credential: str, lease_s: float):
+        super().__init__(daemon=True, name="cpattn-lease")
         self._coordinator = coordinator
-        self._client_id = client_id
+        self._credential = credential
         self._period = lease_s / 3
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self._period):
             try:
-                alive = ray.get(self._coordinator.renew.remote(self._client_id), timeout=self._period * 2)
+                alive = ray.get(self._coordinator.renew.remote(self._credential), timeout=self._period * 2)
             except Exception as exc:   # a coordinator restarting or busy: retry next period
                 logger.debug("lease renewal failed: %s", exc)
                 continue
             if not alive:
-                logger.warning("client %s: the service ended this client (lease lapsed); connect again",
-                               self._client_id)
+                logger.warning("the service ended this client (its lease lapsed); connect again")
                 return
 
     def stop(self) -> None:

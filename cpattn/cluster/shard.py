@@ -7,6 +7,8 @@ serves layers from its data-plane group until the gateway says commit or abort.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -50,8 +52,10 @@ def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_head
 
 
 class ShardWorker:
-    def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None):
+    def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None,
+                 secret: str | None = None):
         self.config = config
+        self._secret = secret   # the coordinator's: KV reads/writes, plans and group joins prove it (issue 12)
         if backend_registry:
             # Plugins registered by the process that started the service (register_backend) live there only.
             apply_registry_state(backend_registry)
@@ -115,12 +119,24 @@ class ShardWorker:
         """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks."""
         return float(sum(t.double().abs().sum() for t in self.kv_caches))
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def _authorize(self, secret: str | None, what: str) -> None:
+        """Calls that read or write KV, or end a client, come from this service's coordinator only."""
+        if self._secret is not None and not (isinstance(secret, str) and hmac.compare_digest(secret, self._secret)):
+            raise CpattnError(f"shard {self.bundle_index}: {what} refused: only the service's coordinator may call it")
+
+    def _admit(self, plan: ShardStepPlan) -> bool:
+        """Before a step: the plan must come from the coordinator (else raises) and not be fenced (else False)."""
+        self._authorize(plan.auth, "a step plan")
+        return self._fence.admits(plan.incarnation)
+
+    def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer)."""
+        self._authorize(secret, "read_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None) -> None:
+        self._authorize(secret, "write_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, t in enumerate(self.kv_caches):
             t[:, idx] = data[layer].to(self.device, self.dtype)
@@ -131,6 +147,7 @@ class ShardWorker:
         Every shard draws the same values (synthetic_kv on its device) and keeps its own tokens, so
         the sequence's logical KV is reproducible from ``seed``.
         """
+        self._authorize(plan.auth, "fill_synthetic")
         slots = plan.metadata.slot_mapping.to(self.device)
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         hk, d = self.config.num_kv_heads, self.config.head_size
@@ -151,9 +168,10 @@ class ShardWorker:
         return int((slots >= 0).sum())
 
     # Coordinator fencing (issue 12) ----------------------------------------------------------------
-    def fence(self, incarnation: int, timeout_s: float) -> dict:
+    def fence(self, incarnation: int, timeout_s: float, secret: str | None = None) -> dict:
         """Called by a restarted coordinator before it hands out any page: steps of older incarnations
         write nothing more (see cluster/fencing.py). Returns once none of them is mid-write."""
+        self._authorize(secret, "fence")
         report = self._fence.raise_floor(incarnation, timeout_s)
         logger.warning("shard %d fenced coordinator incarnations below %d (%d steps were mid-write)",
                        self.bundle_index, incarnation, report["waited_for"])
@@ -172,15 +190,30 @@ class ShardWorker:
                     error=f"step {plan.step_id} was fenced by a restarted coordinator")
 
     # Data plane -----------------------------------------------------------------------------------
-    def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str) -> bool:
+    def _check_ticket(self, group_name: str, ticket: str | None) -> None:
+        """A client joins or leaves only its own groups: the coordinator's ticket (HMAC of the name) proves it."""
+        if self._secret is None:
+            return
+        expected = hmac.new(self._secret.encode(), str(group_name).encode(), hashlib.sha256).hexdigest()
+        if not (isinstance(ticket, str) and hmac.compare_digest(ticket, expected)):
+            raise CpattnError(f"shard {self.bundle_index}: group {group_name!r} refused: no valid ticket (get one "
+                              "from the coordinator with the client's credential)")
+
+    def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str,
+                   ticket: str | None = None) -> bool:
+        self._check_ticket(group_name, ticket)
+        with self._lock:
+            if group_name in self._groups:
+                raise CpattnError(f"shard {self.bundle_index}: group {group_name!r} exists: rejoin under a new name")
         store = make_store(host, port, world_size, False, self.config.collective_timeout_s)
         group = create_group(store, group_name, rank, world_size, backend, self.config.collective_timeout_s)
         with self._lock:
             self._groups[group_name] = DataPlane(group, rank, world_size, backend)
         return True
 
-    def drop_client(self, client_id: str) -> int:
+    def drop_client(self, secret: str, client_id: str) -> int:
         """Close every data-plane group of a client that ended (close() or a lapsed lease); returns how many."""
+        self._authorize(secret, "drop_client")
         with self._lock:
             names = [n for n in self._groups if n.startswith(f"{client_id}-")]
             planes = [self._groups.pop(n) for n in names]
@@ -192,7 +225,8 @@ class ShardWorker:
         with self._lock:
             return list(self._groups)
 
-    def leave_group(self, group_name: str) -> None:
+    def leave_group(self, group_name: str, ticket: str | None = None) -> None:
+        self._check_ticket(group_name, ticket)
         with self._lock:
             plane = self._groups.pop(group_name, None)
         if plane is not None:
@@ -203,7 +237,7 @@ class ShardWorker:
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
-        if not self._fence.admits(plan.incarnation):   # fencing (issue 12): a restarted coordinator owns the pages
+        if not self._admit(plan):   # issue 12: a plan of this coordinator (auth), not fenced by a restarted one
             return self._refuse_fenced(plane, plan)
         t0 = time.perf_counter()
         md = plan.metadata

@@ -50,8 +50,9 @@ def placement_group_name(service_name: str) -> str:
 
 
 class ShardSet:
-    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None, secret: str | None = None):
         self.config = config
+        self.secret = secret                        # handed to every shard: proves calls come from the coordinator
         self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self.handles: list = []                     # actor handles, index = rank (None while missing)
         self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
@@ -148,7 +149,7 @@ class ShardSet:
         return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(ShardWorker).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=cfg.max_open_steps + SHARD_THREAD_HEADROOM,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index, self._backend_registry)
+            **options).remote(cfg, bundle_index, self._backend_registry, self.secret)
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""

@@ -25,6 +25,8 @@ class ShardStepPlan:
     """(T,) int64: where this shard keeps its copy of ``primary_of(rank)``'s new tokens (-1 elsewhere)."""
     incarnation: int = 0
     """The planning coordinator's incarnation: shards refuse to write for a fenced one (cluster/fencing.py)."""
+    auth: str | None = None
+    """The service's shard secret: only the coordinator hands out plans (a shard refuses others)."""
 
 
 @dataclass(frozen=True)
