@@ -85,9 +85,13 @@ class Service:
         self._credential: str = registered["credential"]
         self._lease = LeaseKeeper(coordinator, self._credential, config.client_lease_s)   # issue 12: client leases
         self._lease.start()
-        described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
-        self.shard_infos: list[dict] = described["shards"]
-        self._join_data_plane()
+        try:
+            described = _call(coordinator.describe.remote(), timeout, "coordinator.describe")
+            self.shard_infos: list[dict] = described["shards"]
+            self._join_data_plane()
+        except BaseException:
+            self._lease.stop()   # the lease lapses and the coordinator reclaims this half-made client
+            raise
 
     @property
     def credential(self) -> str:
