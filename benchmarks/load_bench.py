@@ -84,6 +84,8 @@ def _client(index: int, address: str, name: str, namespace: str, duration_s: flo
                 continue
             latency = time.perf_counter() - t0
             if time.monotonic() - start >= warmup_s:
+                if not result["steps"]:
+                    results.put({"warm": index})   # the main process samples memory once every client is warm
                 result["latencies_s"].append(latency)
                 result["steps"] += 1
                 result["tokens"] += t
@@ -149,18 +151,25 @@ def main() -> None:
         t_start = time.monotonic()
         for p in procs:
             p.start()
-        # Shard memory is sampled every 2 s while the clients run: the first sample after warm-up
-        # (connecting takes a few seconds) vs the last one before any client finished.
-        results, samples = [], []
+        # Shard memory is sampled every 2 s while the clients run: the first sample once every client is past
+        # its warm-up (connecting 8 processes takes a while on 2 cores) vs the last one before any finished.
+        results, samples, warm = [], [], 0
         deadline = time.monotonic() + args.warmup + args.duration + 600
         while len(results) < len(procs) and time.monotonic() < deadline:
             try:
-                results.append(queue.get(timeout=2.0))
+                item = queue.get(timeout=2.0)
+                if "warm" in item:
+                    warm += 1
+                    continue
+                results.append(item)
             except Exception:   # queue.Empty: nobody finished yet
                 if not any(p.is_alive() for p in procs) and queue.empty():
                     raise SystemExit(f"client processes exited without reporting ({len(results)} reported)")
-                if not results and time.monotonic() - t_start > args.warmup + 10:
+                if not results and warm == len(procs):   # every client past its warm-up, none finished
                     samples.append(_memory(svc))
+        if not samples:
+            raise SystemExit("no memory sample while every client was past its warm-up and none had finished: "
+                             "raise --warmup or --duration (clients started too far apart)")
         mem_warm, mem_end_live = samples[0], samples[-1]
         for p in procs:
             p.join(timeout=60)
