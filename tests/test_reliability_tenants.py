@@ -396,3 +396,37 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
     finally:
         spy.close()
         svc.shutdown()
+
+
+def test_pings_answer_while_every_step_thread_of_a_shard_is_busy(ray_session):
+    """Item 3: pings run in the shards' own concurrency group. Every default-group thread of a shard is held
+    (blocking group joins whose peer never comes) for longer than shard_hang_timeout_s; a default-group call
+    cannot get through, yet the health check keeps getting answers: nothing is declared hung or replaced."""
+    from cpattn.cluster.netstore import make_bound_store
+    from cpattn.cluster.shard_set import SHARD_THREAD_HEADROOM
+
+    cfg = service_config(num_shards=2, max_open_steps=1, health_check_interval_s=0.2, shard_hang_timeout_s=1.0,
+                         rpc_timeout_s=RPC_S, collective_timeout_s=10.0)
+    svc = cpattn.start(cfg)
+    try:
+        oracle = Oracle(cfg, 37)
+        a = svc.add_sequence()
+        run_step(svc, oracle, {a: 5})
+        shard = current_shards(svc)[1]
+        host = ray.util.get_node_ip_address()
+        names = [f"{svc.client_id}-block{i}" for i in range(cfg.max_open_steps + SHARD_THREAD_HEADROOM)]
+        tickets = ray.get([svc._coordinator.group_ticket.remote(svc.credential, n) for n in names], timeout=RPC_S)
+        stores = [make_bound_store(host, 2, cfg.collective_timeout_s) for _ in names]
+        blockers = [shard.join_group.remote(n, host, st.port, 1, 2, "gloo", t)   # every default-group thread
+                    for n, st, t in zip(names, stores, tickets)]
+        time.sleep(1.0)
+        busy = shard.kv_checksum.remote()                   # default group: must wait behind the blockers
+        assert not ray.wait([busy], timeout=2.0)[0], "the default group was not saturated"
+        time.sleep(3 * cfg.shard_hang_timeout_s)            # many health rounds meanwhile
+        assert svc.stats()["shards_replaced"] == 0
+        ray.wait(blockers, num_returns=len(blockers), timeout=RPC_S)   # the joins time out and free the threads
+        ray.get(busy, timeout=RPC_S)
+        run_step(svc, oracle, {a: 2})
+        assert svc.stats()["shards_replaced"] == 0
+    finally:
+        svc.shutdown()
