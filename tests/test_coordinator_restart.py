@@ -146,3 +146,45 @@ def test_step_fence_refuses_old_incarnations_and_waits_for_writes_in_flight():
         fence.raise_floor(3, timeout_s=0.2)
     fence.leave()
     assert fence.raise_floor(3, timeout_s=1)["floor"] == 3
+
+
+def test_a_replacement_left_unfilled_by_a_dead_coordinator_is_replaced_again(ray_session):
+    """A coordinator that dies while refilling a replacement shard leaves a live, named, half-empty shard. The
+    restarted coordinator must not serve it (outputs would silently miss that shard's tokens): a replacement
+    is 'ready' only once refilled, and an unready one is replaced (and refilled from the replicas) again."""
+    from ray.util import get_placement_group
+
+    from cpattn.cluster.journal import CoordinatorJournal
+    from cpattn.cluster.shard_set import ShardSet, placement_group_name, shard_actor_name
+
+    cfg = service_config(detached=True, kv_replicas=2, health_check_interval_s=60.0, rpc_timeout_s=30.0)
+    svc = cpattn.start(cfg)
+    try:
+        oracle = Oracle(cfg, seed=8)
+        a, b = svc.add_sequence(), svc.add_sequence()
+        run_step(svc, oracle, {a: 14, b: 5})
+        run_step(svc, oracle, {a: 1, b: 1})
+        # What a coordinator dying mid-refill leaves behind: shard 1 replaced by an empty, unready one.
+        bundle = svc.info()["shards"][1]["bundle_index"]
+        old = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
+        ray.kill(old, no_restart=True)
+        deadline = time.monotonic() + 60
+        while True:   # the name is free once the old actor is gone
+            try:
+                ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
+            except ValueError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        meta, _ = CoordinatorJournal(cfg.namespace, cfg.name).load()
+        half = ShardSet(cfg, None, meta["shard_secret"])
+        half._pg = get_placement_group(placement_group_name(cfg.name))
+        unready = half._new_shard(bundle, ready=False)
+        assert ray.get(unready.info.remote(), timeout=60)["ready"] is False
+        _kill_coordinator_and_wait_restored(svc)
+        run_step(svc, oracle, {a: 2, b: 3})        # exact: the unready shard was replaced and refilled
+        assert svc.stats()["shards_replaced"] == 1
+        run_step(svc, oracle, {a: 1})
+        assert svc.sequences() == {a: 18, b: 9}
+    finally:
+        svc.shutdown()

@@ -243,6 +243,7 @@ class Coordinator:
         for copy in copies or []:
             pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks, self._shard_secret)
             ray.get(new.write_blocks.remote(copy.dst_blocks, pages, self._shard_secret), timeout=cfg.rpc_timeout_s)
+        ray.get(new.mark_ready.remote(self._shard_secret), timeout=cfg.rpc_timeout_s)
         with self._lock:
             self.shard_set.install(rank, new, info)
             self.epoch += 1

@@ -53,8 +53,11 @@ def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_head
 
 class ShardWorker:
     def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None,
-                 secret: str | None = None):
+                 secret: str | None = None, ready: bool = True):
         self.config = config
+        # A replacement is not ready until the coordinator refilled it; a restarted coordinator that finds an
+        # unready one (its predecessor died mid-refill) replaces it again instead of serving a half-empty shard.
+        self._ready = ready
         self._secret = secret   # the coordinator's: KV reads/writes, plans and group joins prove it (issue 12)
         if backend_registry:
             # Plugins registered by the process that started the service (register_backend) live there only.
@@ -105,7 +108,7 @@ class ShardWorker:
         return {"bundle_index": self.bundle_index, "node_id": node_id, "node_ip": node_ip, "gpu_ids": gpu_ids,
                 "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
                 "kernel_version": self.backend.kernel_version(), "lse_base": self.backend.lse_base.name,
-                "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size,
+                "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size, "ready": self._ready,
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
 
     def ping(self) -> bool:
@@ -128,6 +131,11 @@ class ShardWorker:
         """Before a step: the plan must come from the coordinator (else raises) and not be fenced (else False)."""
         self._authorize(plan.auth, "a step plan")
         return self._fence.admits(plan.incarnation)
+
+    def mark_ready(self, secret: str | None = None) -> None:
+        """The coordinator finished refilling this replacement: it may serve now."""
+        self._authorize(secret, "mark_ready")
+        self._ready = True
 
     def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer)."""

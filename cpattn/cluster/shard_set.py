@@ -130,6 +130,8 @@ class ShardSet:
             try:
                 handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
                 info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
+                if not info.get("ready", True):
+                    self.lost[rank] = "a replacement whose refill had not finished when the coordinator restarted"
             except Exception as exc:   # gone while the coordinator was down: the health check replaces it
                 self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
             self.handles.append(handle)
@@ -139,7 +141,7 @@ class ShardSet:
     def bundles(self) -> list[int]:
         return [i["bundle_index"] for i in self.infos]
 
-    def _new_shard(self, bundle_index: int):
+    def _new_shard(self, bundle_index: int, ready: bool = True):
         cfg = self.config
         options = {}
         if cfg.detached:
@@ -149,7 +151,7 @@ class ShardSet:
         return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(ShardWorker).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=cfg.max_open_steps + SHARD_THREAD_HEADROOM,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index, self._backend_registry, self.secret)
+            **options).remote(cfg, bundle_index, self._backend_registry, self.secret, ready)
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
@@ -186,7 +188,7 @@ class ShardSet:
             pass
         deadline = time.monotonic() + self.config.start_timeout_s
         while True:
-            new = self._new_shard(self.infos[rank]["bundle_index"])
+            new = self._new_shard(self.infos[rank]["bundle_index"], ready=False)   # ready once refilled
             try:
                 return new, dict(ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
             except ray.exceptions.RayActorError:
