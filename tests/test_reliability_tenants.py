@@ -286,7 +286,10 @@ def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_per
         print(f"\ndead clients reclaimed in {elapsed:.2f}s (lease {lease}s); fds {base['fds']} -> "
               f"{during['fds']} -> {after['fds']}")
         assert elapsed <= 2 * lease
-        assert all(a <= b + 1 for a, b in zip(after["fds"], base["fds"])), (base["fds"], after["fds"])
+        # The groups' sockets close once the shard threads that served the dead clients' steps have let go
+        # of them (their peers are gone, so that is prompt, but later than the bookkeeping above).
+        wait_for(lambda: all(f <= b + 1 for f, b in zip(_shard_usage(svc)["fds"], base["fds"])), 30,
+                 f"shard fds back to {base['fds']} (+1)", 0.2)
         # The 'keep' client's sequences stay at their committed lengths (its step rolled back): its credential
         # resumes it. The 'free' client's are gone, and so is its credential.
         cred, keep_a, keep_b = ids["keep"]
