@@ -84,6 +84,8 @@ def _client(index: int, address: str, name: str, namespace: str, duration_s: flo
                 continue
             latency = time.perf_counter() - t0
             if time.monotonic() - start >= warmup_s:
+                if not result["steps"]:
+                    results.put({"warm": index})   # the main process samples memory once every client is warm
                 result["latencies_s"].append(latency)
                 result["steps"] += 1
                 result["tokens"] += t
@@ -149,22 +151,41 @@ def main() -> None:
         t_start = time.monotonic()
         for p in procs:
             p.start()
-        # Shard memory is sampled every 2 s while the clients run: the first sample after warm-up
-        # (connecting takes a few seconds) vs the last one before any client finished.
-        results, samples = [], []
+        # Shard memory is sampled every 2 s while the clients run: the first sample once every client is past
+        # its warm-up (connecting 8 processes takes a while on 2 cores) vs the last one before any finished.
+        results, samples, warm = [], [], 0
         deadline = time.monotonic() + args.warmup + args.duration + 600
         while len(results) < len(procs) and time.monotonic() < deadline:
             try:
-                results.append(queue.get(timeout=2.0))
+                item = queue.get(timeout=2.0)
+                if "warm" in item:
+                    warm += 1
+                    continue
+                results.append(item)
             except Exception:   # queue.Empty: nobody finished yet
                 if not any(p.is_alive() for p in procs) and queue.empty():
                     raise SystemExit(f"client processes exited without reporting ({len(results)} reported)")
-                if not results and time.monotonic() - t_start > args.warmup + 10:
+                if not results and warm == len(procs):   # every client past its warm-up, none finished
                     samples.append(_memory(svc))
+        if not samples:
+            raise SystemExit("no memory sample while every client was past its warm-up and none had finished: "
+                             "raise --warmup or --duration (clients started too far apart)")
         mem_warm, mem_end_live = samples[0], samples[-1]
         for p in procs:
             p.join(timeout=60)
         wall = time.monotonic() - t_start
+        # Every client freed its sequences and closed: nothing may be left behind (blocks, steps, groups).
+        leak_deadline = time.monotonic() + 30
+        while True:
+            stats = svc.stats()
+            if (stats["open_steps"] == 0 and stats["num_clients"] == 1) or time.monotonic() > leak_deadline:
+                break
+            time.sleep(0.2)
+        shards = ray.get(svc._coordinator.get_shards.remote(), timeout=60)["shards"]
+        leftovers = {"blocks_used": [s["blocks_used"] for s in stats["shards"]], "open_steps": stats["open_steps"],
+                     "clients": stats["num_clients"] - 1,
+                     "groups_per_shard": [len(g) - 1 for g in ray.get([h.group_names.remote() for h in shards],
+                                                                      timeout=60)]}
     finally:
         svc.shutdown()
         ray.shutdown()
@@ -189,7 +210,8 @@ def main() -> None:
         "latency_max_ms": 1e3 * max(latencies, default=float("nan")),
         "memory_after_warmup": mem_warm, "memory_at_end": mem_end_live, "rss_growth_bytes": rss_growth,
         "kv_bytes_max": [max(x["kv_bytes_used"][i] for x in samples) for i in range(args.shards)],
-        "memory_samples": len(samples),
+        "memory_samples": len(samples), "leftovers_after_clients_exit": leftovers,
+        "rss_growth_pct": [round(100 * g / w, 1) for g, w in zip(rss_growth, mem_warm["rss_bytes"])],
     }
     rows = [("clients x duration", f"{args.clients} x {args.duration:.0f} s (+{args.warmup:.0f} s warm-up)"),
             ("errors", f"{len(errors)}"),
@@ -200,7 +222,10 @@ def main() -> None:
                                              f"{report['latency_max_ms']:.1f} ms"),
             ("shard KV bytes warm -> end", f"{mem_warm['kv_bytes_used']} -> {mem_end_live['kv_bytes_used']}"),
             ("shard RSS MiB warm -> end", f"{[round(x / 2**20, 1) for x in mem_warm['rss_bytes']]} -> "
-                                          f"{[round(x / 2**20, 1) for x in mem_end_live['rss_bytes']]}")]
+                                          f"{[round(x / 2**20, 1) for x in mem_end_live['rss_bytes']]} "
+                                          f"({report['rss_growth_pct']} %)"),
+            ("left after clients exit", f"blocks {leftovers['blocks_used']}, open steps {leftovers['open_steps']}, "
+                                        f"clients {leftovers['clients']}, groups/shard {leftovers['groups_per_shard']}")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -6,7 +6,7 @@ service load on first use of start/connect.
 
 from cpattn.config import ServiceConfig, load_config
 from cpattn.errors import (BackendUnavailableError, CapacityError, CpattnError, InvalidRequestError,
-                           ShardLostError)
+                           ShardLostError, StepFencedError)
 
 __version__ = "0.1.0"
 
@@ -21,12 +21,14 @@ def start(config: ServiceConfig | None = None, **fields):
     return _start(config)
 
 
-def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0):
-    """Attach to a running service by the name of its coordinator actor."""
+def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0,
+            on_lapse: str = "free", credential: str | None = None):
+    """Attach to a running service by the name of its coordinator actor (on_lapse: see client.connect)."""
     from cpattn.client import connect as _connect
 
-    return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s)
+    return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s, on_lapse=on_lapse,
+                    credential=credential)
 
 
 __all__ = ["ServiceConfig", "load_config", "start", "connect", "CpattnError", "BackendUnavailableError",
-           "CapacityError", "InvalidRequestError", "ShardLostError", "__version__"]
+           "CapacityError", "InvalidRequestError", "ShardLostError", "StepFencedError", "__version__"]

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from cpattn.cluster.gateway import Gateway
+from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
@@ -42,26 +43,41 @@ def start(config: ServiceConfig) -> "Service":
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,
-            timeout_s: float = 60.0) -> "Service":
-    """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto')."""
+            timeout_s: float = 60.0, on_lapse: str = "free", credential: str | None = None) -> "Service":
+    """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto').
+
+    ``on_lapse``: what happens to this client's sequences if it dies without close() (its lease lapses after
+    client_lease_s): "free" (default) or "keep". close() always keeps them. ``credential``: the
+    ``Service.credential`` of a client that ended with sequences kept resumes that client (and its sequences).
+    """
     started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
     coordinator = find_coordinator(name, namespace)
     described = _call(coordinator.describe.remote(), timeout_s, "coordinator.describe")
     config = ServiceConfig(**described["config"])
-    return Service(coordinator, config, owns_service=False, owns_ray=started_ray)
+    return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse,
+                   credential=credential)
 
 
 class Service:
-    """A client of one cpattn service. One thread, one open step at a time per client."""
+    """A client of one cpattn service, used by one thread: one open step at a time. A second thread opening
+    a step (or attending another thread's) is refused with InvalidRequestError; give each thread its own
+    ``cpattn.connect()``."""
 
-    def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool):
+    def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool,
+                 on_lapse: str = "free", credential: str | None = None):
         self.config = config
         self._owns_service = owns_service
         self._owns_ray = owns_ray
         self._closed = False
-        self.gateway = Gateway(coordinator, config)
+        self.gateway = Gateway(coordinator, config, on_lapse, credential)
         self.client_id: str = self.gateway.client_id
         self.shard_infos: list[dict] = self.info()["shards"]
+
+    @property
+    def credential(self) -> str:
+        """This client's secret: every call proves it; ``connect(credential=...)`` resumes the client after it
+        ended with sequences kept (close(), or on_lapse='keep'). Never share it."""
+        return self.gateway.credential
 
     @property
     def last_step_timings(self) -> dict[str, float]:
@@ -71,18 +87,18 @@ class Service:
     # Sequences ------------------------------------------------------------------------------------
     def add_sequence(self) -> str:
         self._check_open()
-        return self.gateway.call("add_sequence", self.client_id)
+        return self.gateway.call("add_sequence")
 
     def free(self, seq_id: str) -> None:
         self._check_open()
-        self.gateway.call("free", self.client_id, seq_id)
+        self.gateway.call("free", canonical_id(seq_id))
 
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""
-        return self.gateway.call("list_sequences", self.client_id)
+        return self.gateway.call("list_sequences")
 
     def sequence_length(self, seq_id: str) -> int:
-        return self.gateway.call("sequence_length", seq_id)
+        return self.gateway.call("sequence_length", canonical_id(seq_id))
 
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
@@ -91,21 +107,24 @@ class Service:
         fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()
-        return self.gateway.call("fill_synthetic", self.client_id, seq_id, num_tokens, seed)
+        return self.gateway.call("fill_synthetic", canonical_id(seq_id), num_tokens, seed)
 
     # Steps ----------------------------------------------------------------------------------------
     def step(self, request: dict[str, int]) -> "Step":
         """``with svc.step({seq_id: num_new_tokens}) as step: step.attend(layer, q, k, v)`` for every layer."""
         self._check_open()
         self.gateway.check_no_open_step()
-        return Step(self.gateway, dict(request) if isinstance(request, dict) else request)
+        return Step(self.gateway, canonical_request(request) if isinstance(request, dict) else request)
 
     # Introspection and lifecycle -----------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        return self.gateway.call("stats")
+    def stats(self, admin: bool = False) -> dict[str, Any]:
+        """Usage: ``clients`` lists this client only, others are counted in ``other_clients``; ``admin=True``
+        lists every client by its public id (an operator's view)."""
+        return self.gateway.call("stats", admin)
 
     def info(self) -> dict[str, Any]:
-        return self.gateway.call("describe")
+        self.gateway.flush()
+        return _call(self.gateway.coordinator.describe.remote(), self.config.rpc_timeout_s, "describe")
 
     def close(self) -> None:
         """Leave the service running; drop this client's data-plane group (after its last commit)."""
@@ -125,6 +144,7 @@ class Service:
                 self.gateway.flush()
             except CpattnError as exc:
                 logger.warning("shutting down: %s", exc)
+        self.gateway.lease.stop()
         self.gateway.leave()
         stop_coordinator(self.gateway.coordinator, self.config.rpc_timeout_s, self.config)
         if self._owns_ray and ray.is_initialized() and not was_closed:

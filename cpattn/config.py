@@ -96,6 +96,18 @@ class ServiceConfig(BaseModel):
     the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
+    client_lease_s: float = Field(30.0, gt=0)
+    """A client that makes no call and sends no heartbeat (every client_lease_s / 3) for this long has ended:
+    its open step is rolled back, its data-plane groups dropped, its sequences freed (kept with
+    ``connect(on_lapse="keep")``). close() ends a client too, keeping its sequences."""
+    max_tokens_per_step: int = Field(16384, ge=1)
+    """Most new tokens in one step (all its sequences); a bigger step is refused with InvalidRequestError
+    before anything is allocated. Bounds a step's per-shard memory (q/k/v and outputs grow with it; the TORCH
+    backend attends in tiles, so scores do not grow with its square): split long prefills into chunks."""
+    max_open_steps: int = Field(48, ge=1, le=1024)
+    """Most steps open at once (each holds a thread on every shard while open); one more is refused with
+    CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing
+    have threads of their own."""
 
     def __init__(self, **data: Any):
         # Raise our own ConfigError (a ValueError too) so callers catch one hierarchy.

@@ -64,3 +64,8 @@ class ShardLostError(CpattnError):
 
 class ServiceError(CpattnError):
     """The service could not be started, reached, or shut down; the message says what to check."""
+
+
+class StepFencedError(ServiceError):
+    """A step begun before the coordinator restarted was fenced: the shards stopped writing its KV and it was
+    rolled back (none of its tokens were committed); run the step again."""

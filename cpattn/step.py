@@ -8,9 +8,11 @@ validation, commit or rollback, and recovery after a shard loss.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import ray
 import torch
 
 from cpattn.cluster.data_plane import CMD_ATTEND, WireError
@@ -67,6 +69,7 @@ class Step:
             self._gw.release(self)
             raise
         self._state = "open"
+        self._thread = threading.get_ident()
         return self
 
     def _begin(self) -> None:
@@ -84,6 +87,9 @@ class Step:
         if self._state != "open":
             raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
                                       "use it inside `with svc.step(...) as step:`")
+        if threading.get_ident() != self._thread:   # a client (and its step) is one-thread
+            raise InvalidRequestError("attend() from a thread other than the one that opened the step: a client "
+                                      "serves one thread (give each thread its own cpattn.connect())")
         self._validate(layer, q, k, v)
         for _ in range(MAX_RECOVERIES + 1):
             try:
@@ -103,6 +109,7 @@ class Step:
             t0 = time.perf_counter()
             out = self._gw.attend(self._wire, CMD_ATTEND, layer, q, k, v)
         except RuntimeError as exc:   # torch.distributed errors (DistBackendError, gloo/NCCL failures)
+            self._gw.plane_broken = True   # the group is unusable after any collective failure
             raise WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
         self.timings["data_plane_s"] += time.perf_counter() - t0
         return out
@@ -147,9 +154,7 @@ class Step:
                 return
 
     def _end(self, commit: bool, why: str | None) -> dict:
-        cfg = self._gw.config
-        return _call(self._gw.coordinator.end_step.remote(self._info["step_id"], commit, why),
-                     cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+        return self._gw.end_step(self._info["step_id"], commit, why)
 
     def _fail_closed(self, why: str) -> None:
         self._close("rolled_back")
@@ -169,6 +174,8 @@ class Step:
         for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
             if not isinstance(x, torch.Tensor):
                 raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.layout != torch.strided:   # sparse tensors failed later with NotImplementedError
+                raise InvalidRequestError(f"{name} is a {x.layout} tensor: pass a dense one ({name}.to_dense())")
             if tuple(x.shape) != (t, heads, d):
                 raise InvalidRequestError(f"{name} has shape {tuple(x.shape)}, expected {(t, heads, d)} "
                                           f"(T = {t} new tokens in this step, heads, head_size)")
@@ -219,7 +226,7 @@ class Step:
 
             self._close("committed")
             self._gw.pending = PendingCommit(self._info["step_id"], self._request, self._replay, self.timings,
-                                             self._gw.coordinator.end_step.remote(self._info["step_id"], True, None))
+                                             self._gw.end_step_async(self._info["step_id"]))
             return
         while True:
             # The shards ended the step after the last layer; the coordinator commits it.
@@ -272,7 +279,12 @@ def finish_deferred_commit(gw: Gateway, pending: PendingCommit) -> None:
     """Read a commit sent without waiting. A step the coordinator rolled back after all (a shard died
     between its last layer and the commit) is replayed with kv_replicas=2, else reported."""
     cfg = gw.config
-    report = _call(pending.ref, cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+    try:
+        report = _call(pending.ref, cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+    except ServiceError as exc:
+        if not (cfg.detached and isinstance(exc.__cause__, ray.exceptions.RayActorError)):
+            raise
+        report = gw.end_step(pending.step_id, True, None)   # the coordinator restarted: ask the new one
     if not report.get("recovered"):
         gw.committed(pending.timings, report)
         return

@@ -27,7 +27,8 @@ def snapshot(svc, clients=(), with_kv: bool = True) -> dict:
     stats = svc.stats()
     snap = {"sequences": [c.sequences() for c in (svc, *clients)],
             "shards": [(s["blocks_used"], s["blocks_free"], s["tokens"], s["bytes"]) for s in stats["shards"]],
-            "clients": stats["clients"], "num_sequences": stats["num_sequences"], "epoch": stats["epoch"],
+            "clients": stats["clients"], "other_clients": stats["other_clients"],
+            "num_sequences": stats["num_sequences"], "epoch": stats["epoch"],
             "shards_replaced": stats["shards_replaced"]}
     if with_kv:
         snap["kv"] = kv_checksums(svc)

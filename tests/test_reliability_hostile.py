@@ -253,10 +253,11 @@ def test_nested_steps_and_closed_clients_are_rejected(env):
         with svc.step({a: 1}):
             with svc.step({b: 1}):
                 pass
-    # The same sequence in two clients' steps at once: the second is refused, the first unaffected.
+    # The same sequence in two clients' steps at once: the second is refused (it is not theirs), the first
+    # unaffected.
     other = env["other"]
     with svc.step({a: 1}):
-        with pytest.raises(CpattnError, match="already in open step"):
+        with pytest.raises(CpattnError, match="unknown or freed sequence"):
             with other.step({a: 1}):
                 pass
     _unchanged(env, before)

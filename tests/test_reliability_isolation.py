@@ -92,7 +92,7 @@ def test_a_client_filling_the_service_cannot_evict_or_corrupt_another(two_client
             if other.sequences()[sid] == 0:
                 other.free(sid)
                 theirs.pop()
-    stats = svc.stats()
+    stats = svc.stats(admin=True)
     assert min(s["blocks_free"] for s in stats["shards"]) <= 2, stats["shards"]
     assert stats["clients"][other.client_id] == {"sequences": len(theirs), "tokens": filled}
     assert stats["clients"][svc.client_id] == {"sequences": 2, "tokens": 23}
@@ -191,7 +191,7 @@ def test_per_client_quota_is_enforced_per_client_and_changes_nothing(quota_servi
     assert other.fill_synthetic(theirs, QUOTA) == QUOTA
     with pytest.raises(CapacityError, match="client quota"):
         other.fill_synthetic(theirs, 1)
-    stats = svc.stats()["clients"]
+    stats = svc.stats(admin=True)["clients"]
     assert stats[svc.client_id]["tokens"] == 35 and stats[other.client_id]["tokens"] == QUOTA
     checked_step(svc, oracle, {a: 3, b: 2}, tol=TOL)   # exactly up to the quota
     svc.free(b)

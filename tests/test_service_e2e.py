@@ -100,7 +100,7 @@ def test_free_then_fresh_sequence_sees_no_stale_kv(start_service):
         oracle.drop(d)
 
 
-def test_several_clients_see_their_own_sequences_and_share_ids(start_service):
+def test_several_clients_see_and_use_only_their_own_sequences(start_service):
     svc1 = start_service(num_shards=2)
     svc2 = cpattn.connect(name=svc1.config.name, namespace=svc1.config.namespace)
     try:
@@ -111,10 +111,14 @@ def test_several_clients_see_their_own_sequences_and_share_ids(start_service):
         run_step(svc2, oracle, {b: 4})
         assert svc1.sequences() == {a: 6}
         assert svc2.sequences() == {b: 4}
-        # A client given another's id can use it; ownership (what sequences() lists) does not move.
-        run_step(svc2, oracle, {a: 1, b: 1})
-        run_step(svc1, oracle, {a: 2})
-        assert svc1.sequence_length(a) == 9 and svc2.sequence_length(a) == 9
+        # Another client's id is unknown to a client (issue 12: ids are no longer shared capabilities).
+        with pytest.raises(cpattn.errors.InvalidRequestError, match="unknown or freed sequence"):
+            run_step(svc2, oracle, {a: 1, b: 1})
+        with pytest.raises(cpattn.errors.InvalidRequestError, match="unknown or freed sequence"):
+            svc2.sequence_length(a)
+        run_step(svc2, oracle, {b: 1})
+        run_step(svc1, oracle, {a: 3})
+        assert svc1.sequence_length(a) == 9 and svc2.sequence_length(b) == 5
         assert svc1.sequences() == {a: 9} and svc2.sequences() == {b: 5}
 
         # Both clients stepping at the same time, each over its own data-plane group.

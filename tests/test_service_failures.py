@@ -108,6 +108,18 @@ def test_unknown_backend_fails_start_with_valid_options_and_leaves_nothing(ray_s
     _assert_gone(cfg, pgs_before, [])
 
 
+def test_explicit_backend_that_cannot_serve_here_fails_with_reasons_before_any_shard_starts(ray_session):
+    """Issue 12 item 8: FLASHINFER on CPU is a BackendUnavailableError with .reasons (what get_attn_backend
+    says), raised before the placement group or any shard exists, not a ServiceError after they started."""
+    pgs_before = _placement_groups()
+    cfg = service_config(num_shards=2, backend="FLASHINFER")
+    with pytest.raises(BackendUnavailableError, match="FLASHINFER cannot serve") as info:
+        cpattn.start(cfg)
+    assert info.value.reasons["FLASHINFER"] and any("cpu" in r for r in info.value.reasons["FLASHINFER"])
+    assert set(_placement_groups()) == set(pgs_before)   # not even placed (a removed one would still be listed)
+    _assert_gone(cfg, pgs_before, [])
+
+
 def test_hung_shard_surfaces_as_typed_error_not_a_hang(ray_session):
     pgs_before = _placement_groups()
     cfg = service_config(num_shards=2, **TIMEOUTS)

@@ -12,6 +12,9 @@ all others continue. Each replacement bumps ``epoch``: clients then rebuild thei
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import dataclasses
 import logging
 import secrets
 import threading
@@ -20,13 +23,16 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cpattn.cluster.journal import CoordinatorJournal
+from cpattn.cluster.ids import canonical_id, canonical_request
+from cpattn.cluster.journal import CoordinatorJournal, SequenceUpdate
+from cpattn.cluster.lease import ON_LAPSE
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
-from cpattn.cluster.shard_set import ShardSet
+from cpattn.cluster.shard_set import CONTROL_GROUP, ShardSet
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
-from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError
+from cpattn.errors import (CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError,
+                           StepFencedError)
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 logger = logging.getLogger("cpattn.coordinator")
@@ -39,6 +45,7 @@ class Sequence:
     length: int = 0
     in_step: int | None = None
     persisted_pages: int = -1   # pages the journal holds for this sequence (-1: none yet)
+    last_step: int = 0          # the step that committed ``length`` (journalled with it)
 
 
 @dataclass
@@ -61,15 +68,22 @@ class Coordinator:
         self.config = config
         self._lock = threading.RLock()
         self._recovery_lock = threading.Lock()
-        self.shard_set = ShardSet(config, backend_registry)
+        # Proves to shards that a call (KV reads/writes, plans, fencing) or a group join comes from this service.
+        self._shard_secret = secrets.token_hex(32)
+        self.shard_set = ShardSet(config, backend_registry, self._shard_secret)
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
                                             config.dcp_interleave, config.max_sequences, config.kv_replicas)
         self.sequences: dict[str, Sequence] = {}
         self.dropped: dict[str, tuple[int, str]] = {}   # seq_id -> (rank, why): KV lost with a shard
-        self.clients: dict[str, dict] = {}
+        self.clients: dict[str, dict] = {}   # public client id -> lease, on_lapse, credential hash
+        self._by_credential: dict[str, str] = {}   # sha256(credential) -> public client id
         self.steps: dict[int, OpenStep] = {}
         self._next_step = 1
+        self._draining: list[list] = []      # shard calls of rolled-back steps still holding a thread
         self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
+        # Bumped by every coordinator restart; every plan carries it and shards refuse older ones once fenced.
+        self.incarnation = 1
+        self._first_step = 1                 # steps numbered below this were begun by an earlier incarnation
         self.num_steps_committed = 0
         self.num_steps_rolled_back = 0
         self.num_shards_replaced = 0
@@ -86,36 +100,79 @@ class Coordinator:
     def _restore(self, meta: dict, records: dict) -> None:
         """Restarted by Ray: re-attach to the detached shards and rebuild sequences from the journal."""
         cfg = self.config
+        self._shard_secret = meta.get("shard_secret", self._shard_secret)
+        self.shard_set.secret = self._shard_secret
         self.shard_set.attach(meta["bundles"])
         restore_allocator(self.allocator, [(SequenceRows(r.primary, r.replica), r.length, r.pages)
                                            for r in records.values()])
         for seq_id, r in records.items():
-            seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length)
+            seq = Sequence(seq_id, r.owner, SequenceRows(r.primary, r.replica), r.length, last_step=r.last_step)
             seq.persisted_pages = sum(len(p) for p in self.allocator.pages_of(seq.rows).values())
             self.sequences[seq_id] = seq
-        self.clients = {c: {"restored": True} for c in meta["clients"]}
+        clients = meta["clients"] if isinstance(meta["clients"], dict) else dict.fromkeys(meta["clients"], "free")
+        # Every restored client gets a fresh lease: it could not renew while the coordinator was down.
+        self.clients = {c: {"restored": True, "renewed": time.monotonic(), "on_lapse": on_lapse}
+                        for c, on_lapse in clients.items()}
+        self._by_credential = {h: c for h, c in meta.get("credentials", {}).items() if c in self.clients}
         self.epoch, self.dropped, self._next_step = meta["epoch"], dict(meta["dropped"]), meta["next_step"]
+        self._first_step = self._next_step
+        self.incarnation = meta.get("incarnation", 1) + 1
+        self.epoch += 1         # every client rebuilds its data-plane group (old groups may hold fenced steps)
+        self._persist_meta()    # a restart during the fence below must not reuse this incarnation
+        self._fence_shards()
         self.restored = True
         threading.Thread(target=self._health_loop, daemon=True, name="cpattn-health").start()
         logger.warning("coordinator %r restarted: restored %d sequences, %d clients", cfg.name, len(records),
                        len(self.clients))
 
+    def _fence_shards(self) -> None:
+        """Before any page is handed out again: no step of an earlier incarnation may write on any shard.
+
+        The steps open when the previous incarnation died are not in the journal, so their pages are free
+        here; each shard refuses their remaining layers and returns once none of them is mid-write. A shard
+        that cannot confirm is treated as lost (the health check replaces it, killing the old process).
+        """
+        cfg = self.config
+        handles = self.shard_set.handles
+        refs = {rank: h.fence.options(concurrency_group=CONTROL_GROUP).remote(self.incarnation, cfg.rpc_timeout_s,
+                                                                              self._shard_secret)
+                for rank, h in enumerate(handles) if h is not None and rank not in self.shard_set.lost}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=cfg.rpc_timeout_s + 5)
+            except Exception as exc:
+                self.shard_set.lost[rank] = f"could not be fenced after a coordinator restart ({type(exc).__name__})"
+                logger.error("shard %d: %s", rank, self.shard_set.lost[rank])
+
     def _persist_meta(self) -> None:
         if self.journal is not None:
-            self.journal.put_meta({"epoch": self.epoch, "clients": list(self.clients), "dropped": dict(self.dropped),
+            self.journal.put_meta({"epoch": self.epoch, "dropped": dict(self.dropped),
+                                   "clients": {c: i.get("on_lapse", "free") for c, i in self.clients.items()},
+                                   "incarnation": self.incarnation, "shard_secret": self._shard_secret,
+                                   "credentials": dict(self._by_credential),
                                    "next_step": self._next_step + 1000,   # never reuse a step id after restart
                                    "bundles": self.shard_set.bundles})
 
     def _persist_sequence(self, seq: Sequence) -> None:
-        """After a commit: the length always, the page lists only when they changed."""
-        if self.journal is None:
+        self._persist_commit([seq])
+
+    def _persist_commit(self, seqs: list[Sequence]) -> None:
+        """After a commit: lengths (with the committing step) always, page lists only when they changed;
+        atomic over the step's sequences."""
+        if self.journal is None or not seqs:
             return
-        pages = self.allocator.pages_of(seq.rows)
-        num_pages = sum(len(p) for p in pages.values())
-        if num_pages != seq.persisted_pages:
-            self.journal.put_pages(seq.seq_id, seq.owner, seq.rows.primary, seq.rows.replica, pages)
-            seq.persisted_pages = num_pages
-        self.journal.put_length(seq.seq_id, seq.length)
+        updates = []
+        for seq in seqs:
+            pages = self.allocator.pages_of(seq.rows)
+            num_pages = sum(len(p) for p in pages.values())
+            value = None
+            if num_pages != seq.persisted_pages:
+                value = self.journal.pages_value(seq.owner, seq.rows.primary, seq.rows.replica, pages)
+            updates.append(SequenceUpdate(seq.seq_id, value, seq.length, seq.last_step))
+        self.journal.commit(updates)
+        for seq, u in zip(seqs, updates):
+            if u.pages is not None:
+                seq.persisted_pages = sum(len(p) for p in u.pages[3].values())
 
     # Lifecycle ------------------------------------------------------------------------------------
     def start(self) -> list[dict]:
@@ -131,7 +188,7 @@ class Coordinator:
 
     def describe(self) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_set.infos, "lost": dict(self.shard_set.lost),
-                "epoch": self.epoch, "restored": self.restored,
+                "epoch": self.epoch, "restored": self.restored, "incarnation": self.incarnation,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
     def get_shards(self) -> dict:
@@ -152,6 +209,10 @@ class Coordinator:
                     self.recover()
             except Exception:   # never let the watchdog die; the next round retries
                 logger.exception("health check failed")
+            try:
+                self.expire_clients()
+            except Exception:
+                logger.exception("client lease check failed")
 
     def check_shards(self, timeout_s: float | None = None) -> dict[int, str]:
         """Ping every shard; returns rank -> why for the lost ones."""
@@ -177,13 +238,14 @@ class Coordinator:
                 copies = None
                 for s in live:
                     if self.allocator.local_tokens(s.length, rank) > 0:
-                        self.dropped[s.seq_id] = (rank, why)
+                        self.dropped[s.seq_id] = (rank, why, s.owner)
                         if s.in_step is None:
                             self.allocator.release(s.rows)
                             del self.sequences[s.seq_id]
         for copy in copies or []:
-            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks)
-            ray.get(new.write_blocks.remote(copy.dst_blocks, pages), timeout=cfg.rpc_timeout_s)
+            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks, self._shard_secret)
+            ray.get(new.write_blocks.remote(copy.dst_blocks, pages, self._shard_secret), timeout=cfg.rpc_timeout_s)
+        ray.get(new.mark_ready.remote(self._shard_secret), timeout=cfg.rpc_timeout_s)
         with self._lock:
             self.shard_set.install(rank, new, info)
             self.epoch += 1
@@ -195,30 +257,134 @@ class Coordinator:
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
-    def _raise_if_unavailable(self, seq_ids: list[str]) -> None:
-        dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped]   # ids may be hostile/unhashable
+    def _raise_if_unavailable(self, seq_ids: list[str], client_id: str | None = None) -> None:
+        seq_ids = [canonical_id(s) for s in seq_ids]
+        dropped = [s for s in seq_ids if isinstance(s, str) and s in self.dropped   # ids may be hostile/unhashable
+                   and self._dropped_owner(s) in (None, client_id)]                 # others' ids stay unknown
         if dropped:
-            rank, why = self.dropped[dropped[0]]
+            rank, why = self.dropped[dropped[0]][:2]
             raise ShardLostError(
                 f"shard {rank} {why}: sequences {dropped} lost KV held there; start them again as new sequences "
                 "(replay the prompt), or run with kv_replicas=2 to survive shard loss", shard=rank, sequences=dropped)
 
+    def _dropped_owner(self, seq_id: str) -> str | None:
+        entry = self.dropped[seq_id]
+        return entry[2] if len(entry) > 2 else None   # journals before issue 12 did not record owners
+
     # Clients and sequences ------------------------------------------------------------------------
-    def register_client(self) -> str:
-        client_id = secrets.token_hex(8)
+    def register_client(self, on_lapse: str = "free", credential: str | None = None) -> dict:
+        """A new client, or (with the credential of one that ended keeping its sequences) that client again."""
+        if on_lapse not in ON_LAPSE:
+            raise InvalidRequestError(f"on_lapse {on_lapse!r}: use 'free' (a client that dies frees its sequences) "
+                                      "or 'keep'")
+        if credential is not None:
+            with self._lock:
+                client_id = self._client_of(credential)
+                if client_id is None:
+                    raise InvalidRequestError("unknown credential: its client ended and no sequence of it was kept "
+                                              "(connect without a credential for a new client)")
+                if client_id in self.clients:
+                    raise InvalidRequestError("the client of this credential is still connected: close() it first "
+                                              "(a credential serves one client at a time)")
+                self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
+                self._persist_meta()
+            return {"client_id": client_id, "credential": credential}
+        client_id = "c-" + secrets.token_hex(6)            # public: group names, stats, logs
+        credential = secrets.token_urlsafe(32)              # secret: every call of this client proves it
         with self._lock:
-            self.clients[client_id] = {"created": time.time()}
+            self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
+            self._by_credential[_digest(credential)] = client_id
             self._persist_meta()
-        return client_id
+        return {"client_id": client_id, "credential": credential}
 
-    def unregister_client(self, client_id: str) -> None:
+    def _client_of(self, credential) -> str | None:
+        return self._by_credential.get(_digest(credential)) if isinstance(credential, str) else None
+
+    def renew(self, credential: str) -> bool:
+        """A client's heartbeat; False when the client has ended (its lease lapsed): it must connect again."""
         with self._lock:
-            self.clients.pop(client_id, None)
+            client_id = self._client_of(credential)
+            if client_id is None or client_id not in self.clients:
+                return False
+            self.clients[client_id]["renewed"] = time.monotonic()
+            return True
+
+    def unregister_client(self, credential: str) -> None:
+        """close(): end the client (open step rolled back, groups dropped); its sequences stay."""
+        with self._lock:
+            client_id = self._client_of(credential)
+        if client_id is not None:
+            self._end_client(client_id, "closed", free_sequences=False)
+
+    def group_ticket(self, credential: str, group_name: str) -> str:
+        """What a client shows a shard to join (or leave) a data-plane group named after itself."""
+        with self._lock:
+            client_id = self._check_client(credential)
+            if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
+                raise InvalidRequestError(f"group {group_name!r} is not this client's: name it {client_id}-...")
+        return group_ticket(self._shard_secret, group_name)
+
+    def expire_clients(self) -> list[str]:
+        """End every client whose lease lapsed (no call or heartbeat for client_lease_s)."""
+        lease = self.config.client_lease_s
+        now = time.monotonic()
+        with self._lock:
+            lapsed = [c for c, i in self.clients.items() if now - i.get("renewed", now) > lease]
+        for client_id in lapsed:
+            self._end_client(client_id, f"its lease lapsed (no call or heartbeat for {lease:g}s)")
+        return lapsed
+
+    def _end_client(self, client_id: str, why: str, free_sequences: bool | None = None) -> None:
+        """Roll back the client's open steps, free (or keep) its sequences, drop its groups on every shard."""
+        with self._lock:
+            info = self.clients.pop(client_id, None) if isinstance(client_id, str) else None
+            if info is None:
+                return
+            rolled_back = [s for s in self.steps.values() if s.client_id == client_id]
+            for step in rolled_back:
+                self._roll_back_open_step(step)
+            if free_sequences is None:
+                free_sequences = info.get("on_lapse", "free") == "free"
+            freed = []
+            if free_sequences:
+                for seq in [s for s in self.sequences.values() if s.owner == client_id and s.in_step is None]:
+                    self.allocator.release(seq.rows)
+                    del self.sequences[seq.seq_id]
+                    self.dropped.pop(seq.seq_id, None)
+                    if self.journal is not None:
+                        self.journal.delete_sequence(seq.seq_id)
+                    freed.append(seq.seq_id)
+            if not any(s.owner == client_id for s in self.sequences.values()):
+                # Nothing kept: the credential is forgotten. Otherwise connect(credential=...) resumes the client.
+                self._by_credential = {h: c for h, c in self._by_credential.items() if c != client_id}
             self._persist_meta()
+            self._publish_blocks_used()
+            shards = [h for h in self.shard_set.handles if h is not None]
+        refs = [h.drop_client.remote(self._shard_secret, client_id) for h in shards]
+        try:
+            ray.get(refs, timeout=self.config.rpc_timeout_s)
+        except Exception as exc:   # a lost shard's groups went with it
+            logger.warning("dropping client %s's groups: %s", client_id, exc)
+        if why != "closed" or rolled_back:
+            logger.warning("client %s ended: %s; rolled back %d open step(s), freed %d sequence(s)", client_id, why,
+                           len(rolled_back), len(freed))
 
-    def add_sequence(self, client_id: str) -> str:
+    def _roll_back_open_step(self, step: OpenStep) -> None:
+        """Under the lock: close an open step without committing (its pages return)."""
+        self.steps.pop(step.step_id, None)
+        for seq_id in step.seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None and seq.in_step == step.step_id:
+                seq.in_step = None
+        self.allocator.undo(step.growth)
+        self.num_steps_rolled_back += 1
+        self.metrics.record_rollback()
+        if step.refs:
+            self._draining.append(list(step.refs))
+
+    def add_sequence(self, credential: str) -> str:
         with self._lock:
-            self._check_client(client_id)
+            client_id = self._check_client(credential)
             if not self.allocator.can_add_row():
                 raise InvalidRequestError(
                     f"the service holds max_sequences={self.config.max_sequences} sequences: free some or raise max_sequences")
@@ -228,13 +394,15 @@ class Coordinator:
             self._persist_sequence(seq)
             return seq_id
 
-    def free(self, client_id: str, seq_id: str) -> None:
+    def free(self, credential: str, seq_id: str) -> None:
+        seq_id = canonical_id(seq_id)
         with self._lock:
-            self._check_client(client_id)
-            if isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences:
+            client_id = self._check_client(credential)
+            if (isinstance(seq_id, str) and seq_id in self.dropped and seq_id not in self.sequences
+                    and self._dropped_owner(seq_id) in (None, client_id)):
                 del self.dropped[seq_id]
                 return
-            seq = self._get_sequence(seq_id)
+            seq = self._get_sequence(seq_id, client_id)
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}: finish the step first")
             self.allocator.release(seq.rows)
@@ -244,27 +412,38 @@ class Coordinator:
                 self.journal.delete_sequence(seq_id)
             self._publish_blocks_used()
 
-    def list_sequences(self, client_id: str) -> dict[str, int]:
+    def list_sequences(self, credential: str) -> dict[str, int]:
         with self._lock:
+            client_id = self._check_client(credential)
             return {s.seq_id: s.length for s in self.sequences.values() if s.owner == client_id}
 
-    def sequence_length(self, seq_id: str) -> int:
+    def sequence_length(self, credential: str, seq_id: str) -> int:
         with self._lock:
-            self._raise_if_unavailable([seq_id])
-            return self._get_sequence(seq_id).length
+            client_id = self._check_client(credential)
+            self._raise_if_unavailable([seq_id], client_id)
+            return self._get_sequence(seq_id, client_id).length
 
-    def _check_client(self, client_id: str) -> None:
-        if client_id not in self.clients:
-            raise InvalidRequestError(f"unknown client {client_id!r}: connect again with cpattn.connect()")
+    def _check_client(self, credential: str) -> str:
+        """The public id of the client holding ``credential``; renews its lease (every call does)."""
+        client_id = self._client_of(credential)
+        info = self.clients.get(client_id) if client_id is not None else None
+        if info is None:
+            raise InvalidRequestError("unknown client credential (closed, or its lease lapsed after client_lease_s "
+                                      "without a call or heartbeat): connect again with cpattn.connect()")
+        info["renewed"] = time.monotonic()
+        return client_id
 
-    def _get_sequence(self, seq_id) -> Sequence:
-        if not isinstance(seq_id, str) or seq_id not in self.sequences:
+    def _get_sequence(self, seq_id, client_id: str | None = None) -> Sequence:
+        """The caller's sequence; another client's id is exactly as unknown as an id that never existed."""
+        seq_id = canonical_id(seq_id)
+        seq = self.sequences.get(seq_id) if isinstance(seq_id, str) else None
+        if seq is None or (client_id is not None and seq.owner != client_id):
             raise InvalidRequestError(
                 f"unknown or freed sequence {seq_id!r}: use an id returned by add_sequence() that was not freed")
-        return self.sequences[seq_id]
+        return seq
 
     # Steps ----------------------------------------------------------------------------------------
-    def begin_step(self, client_id: str, group_name: str, request: dict, epoch: int | None = None,
+    def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None,
                    local_ranks: list[int] | tuple[int, ...] = ()) -> dict:
         """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
@@ -278,7 +457,9 @@ class Coordinator:
             self.recover()
         with self._lock:
             try:
-                self._check_client(client_id)
+                client_id = self._check_client(credential)
+                if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
+                    raise InvalidRequestError(f"data-plane group {group_name!r} is not this client's")
                 if epoch is not None and epoch != self.epoch:
                     return {"rejoin": self.epoch}
                 if not isinstance(local_ranks, (list, tuple)) or not all(
@@ -289,10 +470,11 @@ class Coordinator:
                 if not isinstance(request, dict) or not request:
                     raise InvalidRequestError(
                         f"a step needs a non-empty {{seq_id: num_new_tokens}} dict, got {request!r}")
-                self._raise_if_unavailable(list(request))
+                request = canonical_request(request)
+                self._raise_if_unavailable(list(request), client_id)
                 seqs, growths, requests = [], [], []
                 for seq_id, n in request.items():
-                    seq = self._get_sequence(seq_id)
+                    seq = self._get_sequence(seq_id, client_id)
                     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                         raise InvalidRequestError(f"sequence {seq_id}: num_new_tokens {n!r} must be an int >= 1")
                     self._check_fits(seq, n)
@@ -301,7 +483,9 @@ class Coordinator:
                     seqs.append(seq)
                     growths.append((seq.rows, seq.length + n))
                     requests.append(StepRequest(seq.rows, seq.length, n))
+                self._check_step_size(sum(request.values()))
                 self._check_quota(client_id, sum(request.values()))
+                self._check_open_steps()
                 growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
@@ -312,10 +496,12 @@ class Coordinator:
                 self._persist_meta()
             try:
                 plans = plan_step(self.allocator, requests, step_id, self.config.pcp_enabled,
-                                  self.config.pcp_min_tokens)
+                                  self.config.pcp_min_tokens, self.incarnation)
             except BaseException:
                 self.allocator.undo(growth)
                 raise
+            for plan in plans:
+                plan.auth = self._shard_secret
             for seq in seqs:
                 seq.in_step = step_id
             step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], [g[1] for g in growths], growth,
@@ -327,7 +513,8 @@ class Coordinator:
         step.plan_s = time.perf_counter() - t0
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
                 "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch,
-                "local_plans": {r: plans[r] for r in local},
+                # The shard secret stays with the shards: the client computes those ranks, it never calls them.
+                "local_plans": {r: dataclasses.replace(plans[r], auth=None) for r in local},
                 "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
 
     def _publish_blocks_used(self) -> None:
@@ -342,6 +529,36 @@ class Coordinator:
                                 f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
                                 "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
 
+    def _check_step_size(self, num_tokens: int) -> None:
+        cap = self.config.max_tokens_per_step
+        if num_tokens > cap:
+            raise InvalidRequestError(
+                f"a step of {num_tokens} new tokens exceeds max_tokens_per_step={cap}: split the prefill into chunks "
+                f"of at most {cap} tokens (or raise max_tokens_per_step if the shards have the memory)")
+
+    def _check_open_steps(self) -> None:
+        """Each open step holds a thread on every shard: refuse one more than max_open_steps (issue 12).
+
+        Rolled-back steps whose shard calls have not returned yet (a client that died mid-step, until its
+        group breaks) still hold their threads and count too.
+        """
+        cap = self.config.max_open_steps
+        if len(self.steps) + len(self._draining) < cap:
+            return
+        if self._draining:
+            still = []
+            for refs in self._draining:
+                _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if pending:
+                    still.append(pending)
+            self._draining = still
+        held = len(self.steps) + len(self._draining)
+        if held >= cap:
+            raise CapacityError(
+                f"{held} steps are open on the shards, the most they serve at once (max_open_steps={cap}): finish "
+                "open steps first (a client holds one at a time), retry later, or raise max_open_steps",
+                needed=held + 1, free=0)
+
     def _check_quota(self, client_id: str, extra: int) -> None:
         quota = self.config.max_tokens_per_client
         if quota is None:
@@ -351,7 +568,8 @@ class Coordinator:
             raise CapacityError(f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client "
                                 f"is {quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)
 
-    def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None) -> dict:
+    def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None,
+                 credential: str | None = None) -> dict:
         """Commit (lengths advance) or roll back (pages return).
 
         A failed step is rolled back; lost shards are replaced. Returns ``recovered: True`` when
@@ -359,8 +577,20 @@ class Coordinator:
         naming the sequences whose KV was lost otherwise.
         """
         with self._lock:
-            step = self.steps.get(step_id)
+            client_id = self._check_client(credential)
+            step = self.steps.get(step_id) if isinstance(step_id, int) else None
+            if step is not None and step.client_id != client_id:
+                step = None   # another client's step is as unknown as one that never existed
             if step is None:
+                if isinstance(step_id, int) and not isinstance(step_id, bool) and 0 < step_id < self._first_step:
+                    if any(s.last_step == step_id for s in self.sequences.values()):
+                        # The previous incarnation committed it (journalled) and died before answering.
+                        return {"shard_plan_s": 0.0, "attention_s": 0.0, "shard_wire_s": 0.0,
+                                "committed_before_restart": True}
+                    self.metrics.record_error("StepFencedError")
+                    raise StepFencedError(
+                        f"step {step_id} was open when the coordinator restarted: the shards stopped writing it and "
+                        "it was rolled back (none of its tokens were committed); run the step again")
                 raise InvalidRequestError(f"step {step_id} is not open")
         reports, failure = [], data_plane_error
         if failure is None:
@@ -381,21 +611,30 @@ class Coordinator:
             commit = False
             self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))
         with self._lock:
+            if self.steps.get(step_id) is not step:   # rolled back meanwhile: the client's lease lapsed
+                raise InvalidRequestError(f"step {step_id} was rolled back: its client ended (closed, or its lease "
+                                          "lapsed); connect again and run the step again")
+            if step.client_id in self.clients:
+                self.clients[step.client_id]["renewed"] = time.monotonic()
             self.steps.pop(step_id, None)
+            committed = []
             for seq_id, new_len in zip(step.seq_ids, step.new_lengths):
                 seq = self.sequences.get(seq_id)
                 if seq is None:
                     continue
                 seq.in_step = None
                 if commit:
-                    seq.length = new_len
-                    self._persist_sequence(seq)
+                    seq.length, seq.last_step = new_len, step_id
+                    committed.append(seq)
+            self._persist_commit(committed)
             if commit:
                 self.num_steps_committed += 1
                 self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
             else:
                 self.allocator.undo(step.growth)
                 self.num_steps_rolled_back += 1
+                if failure is not None and step.refs:
+                    self._draining.append(list(step.refs))
                 self.metrics.record_rollback()
             self._publish_blocks_used()
         if failure is None:
@@ -404,7 +643,8 @@ class Coordinator:
                     "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
         if not self.shard_set.lost and step.epoch == self.epoch:
             self.metrics.record_error("ServiceError")
-            raise ServiceError(f"step {step_id} failed and was rolled back: {failure}")
+            raise ServiceError(f"step {step_id} failed and was rolled back: {failure}; no shard was lost: run the step "
+                               "again (the client rebuilds its data-plane group first)")
         self.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
         with self._lock:
             # Sequences dropped while in this step are released now that the step is closed.
@@ -414,18 +654,18 @@ class Coordinator:
                     self.allocator.release(seq.rows)
                     del self.sequences[seq_id]
             try:
-                self._raise_if_unavailable(step.seq_ids)
+                self._raise_if_unavailable(step.seq_ids, step.client_id)
             except ShardLostError as exc:
                 self.metrics.record_error(type(exc).__name__)
                 raise
         return {"recovered": True, "epoch": self.epoch, "failure": failure}
 
-    def fill_synthetic(self, client_id: str, seq_id: str, num_tokens: int, seed: int) -> int:
+    def fill_synthetic(self, credential: str, seq_id: str, num_tokens: int, seed: int) -> int:
         """Append ``num_tokens`` of seeded random KV to a sequence without attention (benchmarks, load tests)."""
         with self._lock:
-            self._check_client(client_id)
-            self._raise_if_unavailable([seq_id])
-            seq = self._get_sequence(seq_id)
+            client_id = self._check_client(credential)
+            self._raise_if_unavailable([seq_id], client_id)
+            seq = self._get_sequence(seq_id, client_id)
             if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
                 raise InvalidRequestError(f"num_tokens {num_tokens!r} must be an int >= 1")
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**40:
@@ -435,7 +675,10 @@ class Coordinator:
             if seq.in_step is not None:
                 raise InvalidRequestError(f"sequence {seq_id} is in open step {seq.in_step}")
             growth = self.allocator.grow([(seq.rows, seq.length + num_tokens)])
-            plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1)
+            plans = plan_step(self.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
+                              self.incarnation)
+            for plan in plans:
+                plan.auth = self._shard_secret
             seq.in_step = -1
             shards = list(self.shard_set.handles)
         try:
@@ -452,8 +695,12 @@ class Coordinator:
             return seq.length
 
     # Stats ----------------------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, credential: str | None = None, admin: bool = False) -> dict:
+        """Service-wide usage. ``clients`` lists only the caller's own client (by its credential); every other
+        client is counted in ``other_clients`` (aggregate). ``admin=True`` (operators: ``cpattn status``) lists
+        every client by its public id."""
         with self._lock:
+            me = self._client_of(credential)
             bytes_per_block = self.config.bytes_per_block()
             shards = []
             for rank in range(self.config.num_shards):
@@ -467,13 +714,30 @@ class Coordinator:
                                "device": info.get("device"), "backend": info.get("backend"),
                                "alive": rank not in self.shard_set.lost})
             per_client: dict[str, dict] = {}
+            others = {"clients": len([c for c in self.clients if c != me]), "sequences": 0, "tokens": 0}
             for s in self.sequences.values():
-                c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
-                c["sequences"] += 1
-                c["tokens"] += s.length
+                if admin or s.owner == me:
+                    c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
+                    c["sequences"] += 1
+                    c["tokens"] += s.length
+                else:
+                    others["sequences"] += 1
+                    others["tokens"] += s.length
             return {"shards": shards, "num_sequences": len(self.sequences), "clients": per_client,
+                    "other_clients": others,
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
+                    "open_steps": len(self.steps), "num_clients": len(self.clients),
                     "kv_replicas": self.config.kv_replicas,
                     "backend": self.shard_set.infos[0]["backend"] if self.shard_set.infos else None,
                     "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}
+
+
+def _digest(credential: str) -> str:
+    """Credentials are kept (and journalled) only as hashes."""
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def group_ticket(secret: str, group_name: str) -> str:
+    """HMAC of a group name under the shards' secret: a shard lets a client join or leave only its own groups."""
+    return hmac.new(secret.encode(), group_name.encode(), hashlib.sha256).hexdigest()

@@ -27,9 +27,11 @@ import torch
 
 from cpattn.attention import get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
-from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_group, make_store, partial_tag
+from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_group, partial_tag
+from cpattn.cluster.lease import LeaseKeeper
+from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
-from cpattn.cluster.rpc import call
+from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
 from cpattn.errors import ConfigError, CpattnError, InvalidRequestError, ServiceError
 
@@ -96,30 +98,58 @@ def open_shared_cache(handle_args: tuple, device: torch.device) -> torch.Tensor:
 
 
 class Gateway:
-    def __init__(self, coordinator, config: ServiceConfig):
+    """One client's side of the service. Its ``client_id`` is public (group names, stats); its ``credential``
+    is the secret every coordinator call proves; a LeaseKeeper thread keeps the client alive between calls."""
+
+    def __init__(self, coordinator, config: ServiceConfig, on_lapse: str = "free", credential: str | None = None):
         self.coordinator = coordinator
         self.config = config
         self.device = client_device(config)
         self.plane: DataPlane | None = None
+        self.plane_broken = False      # a collective failed: rebuild the group before the next step
         self.local: dict[int, ShardLayerRunner] = {}
         self.remote: list[int] = []
+        self.shards: list = []
         self.pending: PendingCommit | None = None
         self.open_step = None
         self.last_step_timings: dict[str, float] = {}
         self._guard = threading.Lock()
         self._store = None
-        self.client_id: str = call(coordinator.register_client.remote(), config.rpc_timeout_s, "register_client")
-        self.join()
+        self._generation = 0
+        self._ticket: str | None = None
+        registered = call(coordinator.register_client.remote(on_lapse, credential), config.rpc_timeout_s,
+                          "register_client")
+        self.client_id: str = registered["client_id"]
+        self.credential: str = registered["credential"]
+        self.lease = LeaseKeeper(coordinator, self.credential, config.client_lease_s)
+        self.lease.start()
+        try:
+            self.join()
+        except BaseException:
+            self.lease.stop()   # the lease lapses and the coordinator reclaims this half-made client
+            raise
 
     @property
     def group_name(self) -> str:
-        return f"{self.client_id}-e{self.epoch}"
+        return f"{self.client_id}-e{self.epoch}-g{self._generation}"
 
     # Coordinator calls ---------------------------------------------------------------------------
     def call(self, method: str, *args, timeout_s: float | None = None):
-        """A coordinator call, after this client's previous commit was confirmed."""
+        """A coordinator call proving this client's credential, after its previous commit was confirmed."""
         self.flush()
-        return call(getattr(self.coordinator, method).remote(*args), timeout_s or self.config.rpc_timeout_s, method)
+        return call(getattr(self.coordinator, method).remote(self.credential, *args),
+                    timeout_s or self.config.rpc_timeout_s, method)
+
+    def end_step(self, step_id: int, commit: bool, why: str | None) -> dict:
+        """end_step, asked again across a detached coordinator's restart (it knows from its journal whether
+        the step committed, else raises StepFencedError: run the step again)."""
+        cfg = self.config
+        return call_across_restart(lambda: self.coordinator.end_step.remote(step_id, commit, why, self.credential),
+                                   cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step",
+                                   cfg.rpc_timeout_s if cfg.detached else 0.0)
+
+    def end_step_async(self, step_id: int):
+        return self.coordinator.end_step.remote(step_id, True, None, self.credential)
 
     def flush(self) -> None:
         """Read the answer to a commit sent without waiting; replay or report a step that failed after all."""
@@ -136,10 +166,15 @@ class Gateway:
         cfg = self.config
         current = call(self.coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
         self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
+        self._generation += 1   # a fresh group name on every (re)join
+        self.plane_broken = False
+        self._ticket = call(self.coordinator.group_ticket.remote(self.credential, self.group_name),
+                            cfg.rpc_timeout_s, "group_ticket")   # proves this client's joins to the shards
         local_ranks = self._local_ranks(infos)
         self.local = {}
         for rank in local_ranks:
-            handles = call(self.shards[rank].export_kv.remote(), cfg.rpc_timeout_s, "export_kv")
+            handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
+                           "export_kv")
             backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
                                        block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
                                        num_kv_heads=cfg.num_kv_heads, device=self.device)
@@ -156,8 +191,9 @@ class Gateway:
             backend = choose_data_plane(cfg, self.device, [infos[r] for r in self.remote])
             world = len(self.remote) + 1
             host = ray.util.get_node_ip_address()
-            store = make_store(host, 0, world, True, cfg.collective_timeout_s)
-            joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend)
+            store = make_bound_store(host, world, cfg.collective_timeout_s)   # listens on the node IP only
+            joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend,
+                                                      self._ticket)
                      for i, r in enumerate(self.remote)]
             group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
             call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
@@ -176,13 +212,13 @@ class Gateway:
         return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]
 
     def leave(self) -> None:
-        old = self.group_name
+        old, ticket = self.group_name, self._ticket
         if self.plane is not None:
             self.plane.close()
             self.plane = None
         for r in self.remote:
             try:
-                self.shards[r].leave_group.remote(old)
+                self.shards[r].leave_group.remote(old, ticket)
             except Exception:
                 pass
         self.local = {}   # drops the IPC mappings
@@ -239,7 +275,9 @@ class Gateway:
     def begin(self, request: dict[str, int]) -> dict | None:
         """Plan a step; None when the service moved to a new epoch (rejoin, then begin again)."""
         cfg = self.config
-        info = self.call("begin_step", self.client_id, self.group_name, request, self.epoch, sorted(self.local),
+        if self.plane_broken:
+            self.rejoin()
+        info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local),
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if "rejoin" in info:
             return None
@@ -278,13 +316,15 @@ class Gateway:
         self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
 
     def close(self) -> None:
+        """End this client (its sequences stay); the service keeps running."""
         try:
             self.flush()
         except CpattnError as exc:
             logger.warning("closing client %s: %s", self.client_id, exc)
+        self.lease.stop()
         self.leave()
         try:
-            self.coordinator.unregister_client.remote(self.client_id)
+            self.coordinator.unregister_client.remote(self.credential)
         except Exception:
             pass
 

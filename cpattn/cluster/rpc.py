@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from cpattn.errors import CpattnError, ServiceError
@@ -23,3 +25,19 @@ def call(ref, timeout_s: float, what: str):
         raise ServiceError(f"{what}: the service is restarting an actor ({exc}); retry shortly") from exc
     except ray.exceptions.RayActorError as exc:
         raise ServiceError(f"{what}: the coordinator is gone ({type(exc).__name__}); restart the service") from exc
+
+
+def call_across_restart(make_ref, timeout_s: float, what: str, restart_s: float):
+    """``call(make_ref(), ...)``, asked again while the actor is being restarted (up to ``restart_s``).
+
+    For idempotent calls to a detached coordinator (end_step: a restarted coordinator knows from its journal
+    whether the step committed). Other errors, and a coordinator still gone after restart_s, raise as call().
+    """
+    deadline = time.monotonic() + restart_s
+    while True:
+        try:
+            return call(make_ref(), timeout_s, what)
+        except ServiceError as exc:
+            if not isinstance(exc.__cause__, ray.exceptions.RayActorError) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)

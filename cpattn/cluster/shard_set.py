@@ -22,8 +22,23 @@ from cpattn.errors import CpattnError, ServiceError
 
 logger = logging.getLogger("cpattn.coordinator")
 
-# Threads per shard actor: one step loop per connected client plus control calls.
-SHARD_MAX_CONCURRENCY = 64
+# Threads per shard actor beyond max_open_steps (each open step holds one): joins, leaves, fills, checksums.
+SHARD_THREAD_HEADROOM = 16
+# Pings, fencing and recovery copies run in their own threads: open steps can never starve them (issue 12).
+CONTROL_GROUP = "control"
+CONTROL_THREADS = 4
+
+
+def probe_backend(config: ServiceConfig, backend_registry: dict | None) -> str:
+    """Select the shards' backend as a shard would; raises BackendUnavailableError with ``.reasons``."""
+    from cpattn.attention import get_attn_backend
+    from cpattn.attention.registry import apply_registry_state
+
+    if backend_registry:
+        apply_registry_state(backend_registry)
+    return get_attn_backend(config.backend, head_size=config.head_size, dtype=config.torch_dtype,
+                            block_size=config.block_size, num_q_heads=config.num_q_heads,
+                            num_kv_heads=config.num_kv_heads, device=config.resolved_device()).get_name()
 
 
 def shard_actor_name(service_name: str, bundle_index: int) -> str:
@@ -50,8 +65,9 @@ def creation_error(exc: BaseException) -> str:
 
 
 class ShardSet:
-    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None, secret: str | None = None):
         self.config = config
+        self.secret = secret                        # handed to every shard: proves calls come from the coordinator
         self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self.handles: list = []                     # actor handles, index = rank (None while missing)
         self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
@@ -59,9 +75,34 @@ class ShardSet:
         self._pg = None
         self._lock = threading.Lock()
 
+    def check_backend(self) -> None:
+        """Before anything is placed: an explicit backend that cannot serve here raises BackendUnavailableError
+        with every reason (what get_attn_backend says), instead of shards dying in their constructors.
+
+        CPU shards are checked in this process. GPU shards are checked by a probe task in the first bundle
+        once the placement group is ready (``probe_backend_in_bundle``), since this process may have no GPU.
+        """
+        if self.config.resolved_device() == "cpu":
+            probe_backend(self.config, self._backend_registry)
+
+    def _probe_backend_in_bundle(self) -> None:
+        cfg = self.config
+        if cfg.resolved_device() == "cpu" or cfg.backend == "auto":
+            return
+        probe = ray.remote(probe_backend).options(
+            num_cpus=0, num_gpus=cfg.num_gpus_per_shard,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0))
+        try:
+            ray.get(probe.remote(cfg, self._backend_registry), timeout=cfg.start_timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), CpattnError):
+                raise exc.cause from None
+            raise
+
     def start(self) -> None:
         """Place and start the shards, ranked by node then GPU; on any failure remove what was started."""
         cfg = self.config
+        self.check_backend()
         try:
             self._pg = placement_group(shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard),
                                        strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
@@ -73,6 +114,7 @@ class ShardSet:
                     f"could not place {cfg.num_shards} shards ({cfg.num_cpus_per_shard} CPU, {cfg.num_gpus_per_shard} GPU "
                     f"each, {cfg.placement_strategy}) within {cfg.start_timeout_s}s: the cluster lacks the resources; "
                     "lower num_shards / per-shard resources or add nodes") from None
+            self._probe_backend_in_bundle()
             handles = [self._new_shard(i) for i in range(cfg.num_shards)]
             self.handles = handles
             try:
@@ -103,6 +145,8 @@ class ShardSet:
             try:
                 handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
                 info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
+                if not info.get("ready", True):
+                    self.lost[rank] = "a replacement whose refill had not finished when the coordinator restarted"
             except Exception as exc:   # gone while the coordinator was down: the health check replaces it
                 self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
             self.handles.append(handle)
@@ -112,21 +156,22 @@ class ShardSet:
     def bundles(self) -> list[int]:
         return [i["bundle_index"] for i in self.infos]
 
-    def _new_shard(self, bundle_index: int):
+    def _new_shard(self, bundle_index: int, ready: bool = True):
         cfg = self.config
         options = {}
         if cfg.detached:
             # Detached and named: the shards (and their KV) outlive a coordinator restart.
             options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
                        "lifetime": "detached"}
-        return ray.remote(ShardWorker).options(
-            num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=SHARD_MAX_CONCURRENCY,
+        return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(ShardWorker).options(
+            num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=cfg.max_open_steps + SHARD_THREAD_HEADROOM,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index, self._backend_registry)
+            **options).remote(cfg, bundle_index, self._backend_registry, self.secret, ready)
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
-        refs = [None if h is None else h.ping.remote() for h in list(self.handles)]
+        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote()
+                for h in list(self.handles)]
         deadline = time.monotonic() + timeout_s
         for rank, ref in enumerate(refs):
             if rank in self.lost or ref is None:
@@ -158,7 +203,7 @@ class ShardSet:
             pass
         deadline = time.monotonic() + self.config.start_timeout_s
         while True:
-            new = self._new_shard(self.infos[rank]["bundle_index"])
+            new = self._new_shard(self.infos[rank]["bundle_index"], ready=False)   # ready once refilled
             try:
                 return new, dict(ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
             except ray.exceptions.RayActorError:

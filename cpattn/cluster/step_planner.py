@@ -23,6 +23,10 @@ class ShardStepPlan:
     """[P, 3] (q_start, q_end, k_start): this shard's share of the causal part among new tokens."""
     replica_slot_mapping: torch.Tensor | None = None
     """(T,) int64: where this shard keeps its copy of ``primary_of(rank)``'s new tokens (-1 elsewhere)."""
+    incarnation: int = 0
+    """The planning coordinator's incarnation: shards refuse to write for a fenced one (cluster/fencing.py)."""
+    auth: str | None = None
+    """The service's shard secret: only the coordinator hands out plans (a shard refuses others)."""
     rows: torch.Tensor | None = None
     """(R,) int64 sorted: the query rows this shard computes (local context or a causal piece); None = all T.
     Only these rows travel back to the client, so a prefill rank returns its share, not [T, Hq, D]."""
@@ -42,7 +46,7 @@ class StepRequest:
 
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
-              pcp_enabled: bool, pcp_min_tokens: int) -> list[ShardStepPlan]:
+              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated."""
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
@@ -62,7 +66,8 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
                                                       n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
                                    causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
-                                   rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank])))
+                                   rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank]),
+                                   incarnation=incarnation))
     return plans
 
 

@@ -17,7 +17,8 @@ def gather_status(name: str, namespace: str) -> dict:
     from cpattn.cluster.service import find_coordinator
 
     coordinator = find_coordinator(name, namespace)
-    described, stats = ray.get([coordinator.describe.remote(), coordinator.stats.remote()], timeout=_STATUS_TIMEOUT_S)
+    described, stats = ray.get([coordinator.describe.remote(), coordinator.stats.remote(None, True)],   # admin view
+                               timeout=_STATUS_TIMEOUT_S)
     return {"describe": described, "stats": stats}
 
 

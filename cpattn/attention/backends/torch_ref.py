@@ -18,11 +18,39 @@ from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
 
+# Scores of one tile (queries x keys x heads) stay under this many bytes: memory grows with T, not T^2.
+TILE_BYTES = 32 << 20
+
+
 def dense_attention(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, scale: float,
                     causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: queries vs keys, GQA by grouping. causal_offset c: query i sees keys j <= c + i;
     None: every key. Returns out [Lq, Q, D] and natural-log lse [Lq, Q] (float32, or float64 for float64).
+
+    Runs in query tiles whose scores fit TILE_BYTES (a causal tile reads only the keys it can see), so a
+    long prefill never materialises [Lq, L] scores at once.
     """
+    lq, hq, _ = q_LQD.shape
+    lk = k_LKD.shape[0]
+    itemsize = 8 if q_LQD.dtype == torch.float64 else 4
+    rows = max(1, TILE_BYTES // max(1, 3 * lk * hq * itemsize))   # scores, probabilities and a mask copy
+    if lq <= rows:
+        return _dense_attention_tile(q_LQD, k_LKD, v_LKD, scale, causal_offset)
+    outs, lses = [], []
+    for a in range(0, lq, rows):
+        b = min(lq, a + rows)
+        if causal_offset is None:
+            o, l = _dense_attention_tile(q_LQD[a:b], k_LKD, v_LKD, scale, None)
+        else:
+            visible = max(0, min(lk, causal_offset + b))   # keys j <= c + i for the tile's last query
+            o, l = _dense_attention_tile(q_LQD[a:b], k_LKD[:visible], v_LKD[:visible], scale, causal_offset + a)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _dense_attention_tile(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, scale: float,
+                          causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     lq, hq, d = q_LQD.shape
     lk, hk, _ = k_LKD.shape
     compute = torch.float64 if q_LQD.dtype == torch.float64 else torch.float32
