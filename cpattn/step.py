@@ -35,8 +35,9 @@ class Step:
     (their outputs are identical, since the restored KV is), so the caller sees only latency.
     """
 
-    def __init__(self, gateway: Gateway, request: dict[str, int], sync_commit: bool = False):
+    def __init__(self, gateway: Gateway, request: dict[str, int], sync_commit: bool = False, claimed: bool = False):
         self._gw = gateway
+        self._claimed = claimed   # a replay run inside another step's claim (finish_deferred_commit)
         self._request = request
         self._info: dict | None = None
         self._wire: StepWire | None = None
@@ -61,9 +62,11 @@ class Step:
     def __enter__(self) -> "Step":
         if self._state != "new":
             raise InvalidRequestError(f"this step is {self._state}: start a new one with svc.step(...)")
-        self._gw.flush()   # a replay of the previous step (kv_replicas=2) needs the client to itself
-        self._gw.claim(self)
+        if not self._claimed:
+            self._gw.claim(self)   # first: a second thread is refused before it touches anything
         try:
+            if not self._claimed:
+                self._gw.flush()   # the previous step's commit is settled before this one begins
             self._begin()
         except BaseException:
             self._gw.release(self)
@@ -295,5 +298,5 @@ def finish_deferred_commit(gw: Gateway, pending: PendingCommit) -> None:
                            "run it again (kv_replicas=2 replays it automatically)")
     logger.warning("step %s: %s; shard replaced, replaying its %d layers", pending.step_id, report["failure"],
                    len(pending.replay))
-    with Step(gw, pending.request, sync_commit=True) as again:
+    with Step(gw, pending.request, sync_commit=True, claimed=gw.open_step is not None) as again:
         again._replay_layers(pending.replay)

@@ -76,7 +76,7 @@ def test_restarted_coordinator_keeps_sequences_and_outputs_stay_exact(ray_sessio
 def _kill_coordinator_and_wait_restored(svc, timeout_s: float = 60.0) -> float:
     """ray.kill the detached coordinator (Ray restarts it); returns seconds until the restored one answers."""
     t0 = time.monotonic()
-    ray.kill(svc._coordinator, no_restart=False)
+    ray.kill(svc.gateway.coordinator, no_restart=False)
     while True:   # ray.kill is asynchronous: wait for the restarted instance, not the old one
         try:
             if svc.info()["restored"]:

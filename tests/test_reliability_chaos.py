@@ -196,7 +196,7 @@ def test_coordinator_restarts_and_a_client_crash_under_traffic(ray_session):
                 t_crash = time.monotonic()
             incarnation = svc.info()["incarnation"]
             t0 = time.monotonic()
-            ray.kill(svc._coordinator, no_restart=False)
+            ray.kill(svc.gateway.coordinator, no_restart=False)
             while _answer(svc.info)["incarnation"] == incarnation:
                 time.sleep(0.05)
             restored = time.monotonic() - t0

@@ -62,7 +62,7 @@ def test_open_steps_are_capped_and_never_starve_the_health_check(ray_session):
         with pytest.raises(CapacityError, match=r"2 steps are open .*max_open_steps=2.*finish open steps"):
             with clients[2].step({seqs[2]: 3}):
                 pytest.fail("a third open step must be refused")
-        assert clients[2]._step is None
+        assert clients[2].gateway.open_step is None
         time.sleep(3 * cfg.shard_hang_timeout_s)          # many health rounds with every step thread busy
         assert snapshot(svc, clients, with_kv=True) == before
         assert svc.stats()["shards_replaced"] == 0
@@ -99,7 +99,7 @@ def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_no
         with pytest.raises(InvalidRequestError, match=f"sequence {a} appears twice"):
             with svc.step(request):
                 pytest.fail("one sequence twice in a step must be refused")
-        assert snapshot(svc) == before and svc._step is None
+        assert snapshot(svc) == before and svc.gateway.open_step is None
         for layout in ("coo", "csr"):
             for which in range(3):
                 q, k, v = oracle.random_qkv(2)
@@ -108,7 +108,7 @@ def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_no
                 with pytest.raises(InvalidRequestError, match="dense"):
                     with svc.step({a: 1, b: 1}) as step:
                         step.attend(0, *args)
-                assert snapshot(svc) == before and svc._step is None
+                assert snapshot(svc) == before and svc.gateway.open_step is None
         assert svc.sequence_length(_EvilId(a)) == 6      # a subclass id on its own names that sequence
         pending = {}
         with svc.step({_EvilId(a): 2, b: 1}) as step:
@@ -169,7 +169,7 @@ def test_a_client_is_one_thread_and_a_second_thread_is_refused_cleanly(ray_sessi
             assert sorted(map(str, outcome.values())).count("committed") == 1, outcome
             (err,) = [e for e in outcome.values() if e != "committed"]
             assert isinstance(err, InvalidRequestError) and "one thread" in str(err), repr(err)
-            assert svc._step is None
+            assert svc.gateway.open_step is None
         with svc.step({seqs[0]: 2}) as step:
             box = []
             t = threading.Thread(target=lambda: box.append(pytest.raises(InvalidRequestError, step.attend, 0,
@@ -350,14 +350,14 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
                 messages[sid, name] = str(info.value).replace(sid, "<id>")
         for name in ("step", "length", "fill", "free"):      # mine is exactly as unknown as one never issued
             assert messages[mine, name] == messages[never, name]
-        assert spy.sequences() == {} and spy._step is None
+        assert spy.sequences() == {} and spy.gateway.open_step is None
         assert snapshot(svc, [spy]) == before
         # The coordinator itself refuses calls without (or with another client's) credential.
         with pytest.raises(ray.exceptions.RayTaskError, match="unknown client credential"):
-            ray.get(svc._coordinator.list_sequences.remote(svc.client_id), timeout=RPC_S)   # the public id is no key
+            ray.get(svc.gateway.coordinator.list_sequences.remote(svc.client_id), timeout=RPC_S)   # the public id is no key
         with svc.step({mine: 2}) as step:
             with pytest.raises(ray.exceptions.RayTaskError, match="is not open"):
-                ray.get(svc._coordinator.end_step.remote(step._info["step_id"], False, "spy", spy.credential),
+                ray.get(svc.gateway.coordinator.end_step.remote(step._info["step_id"], False, "spy", spy.credential),
                         timeout=RPC_S)
             pending = _attend_all(svc, oracle, step, {mine: 2})
         oracle.commit(pending)
@@ -375,16 +375,18 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
         with pytest.raises(ray.exceptions.RayTaskError, match="read_blocks refused"):
             ray.get(shard.read_blocks.remote([0]), timeout=RPC_S)
         with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
-            ray.get(shard.join_group.remote(svc.group_name + "x", "127.0.0.1", 1, 1, 4, "gloo"), timeout=RPC_S)
+            ray.get(shard.join_group.remote(svc.gateway.group_name + "x", "127.0.0.1", 1, 1, 4, "gloo"), timeout=RPC_S)
         with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
-            ray.get(shard.leave_group.remote(svc.group_name), timeout=RPC_S)
+            ray.get(shard.leave_group.remote(svc.gateway.group_name), timeout=RPC_S)
+        with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
+            ray.get(shard.export_kv.remote(svc.gateway.group_name), timeout=RPC_S)   # the KV cache by CUDA IPC
         forged = ShardStepPlan(step_id=1, num_tokens=1, metadata=None, causal_pieces=torch.zeros(0, 3))
         with pytest.raises(ray.exceptions.RayTaskError, match="a step plan refused"):
-            ray.get(shard.run_step.remote(spy.group_name, forged), timeout=RPC_S)
+            ray.get(shard.run_step.remote(spy.gateway.group_name, forged), timeout=RPC_S)
         with pytest.raises(InvalidRequestError, match="not this client's"):
-            ray.get(svc._coordinator.group_ticket.remote(spy.credential, svc.group_name), timeout=RPC_S)
+            ray.get(svc.gateway.coordinator.group_ticket.remote(spy.credential, svc.gateway.group_name), timeout=RPC_S)
         # The rendezvous store listens on the node IP only.
-        assert _listening_addresses(svc._store.port) == {ray.util.get_node_ip_address()}
+        assert _listening_addresses(svc.gateway._store.port) == {ray.util.get_node_ip_address()}
         # close() keeps the sequences; the credential resumes the client, exactly.
         cred = spy.credential
         theirs = spy.add_sequence()
@@ -418,7 +420,7 @@ def test_pings_answer_while_every_step_thread_of_a_shard_is_busy(ray_session):
         shard = current_shards(svc)[1]
         host = ray.util.get_node_ip_address()
         names = [f"{svc.client_id}-block{i}" for i in range(cfg.max_open_steps + SHARD_THREAD_HEADROOM)]
-        tickets = ray.get([svc._coordinator.group_ticket.remote(svc.credential, n) for n in names], timeout=RPC_S)
+        tickets = ray.get([svc.gateway.coordinator.group_ticket.remote(svc.credential, n) for n in names], timeout=RPC_S)
         stores = [make_bound_store(host, 2, cfg.collective_timeout_s) for _ in names]
         blockers = [shard.join_group.remote(n, host, st.port, 1, 2, "gloo", t)   # every default-group thread
                     for n, st, t in zip(names, stores, tickets)]

@@ -323,10 +323,11 @@ class Gateway:
             logger.warning("closing client %s: %s", self.client_id, exc)
         self.lease.stop()
         self.leave()
-        try:
-            self.coordinator.unregister_client.remote(self.credential)
-        except Exception:
-            pass
+        try:   # waited for, so what the client held is settled when close() returns
+            call(self.coordinator.unregister_client.remote(self.credential), self.config.rpc_timeout_s,
+                 "unregister_client")
+        except CpattnError as exc:
+            logger.warning("closing client %s: %s", self.client_id, exc)
 
 
 def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int) -> torch.Tensor:
