@@ -116,8 +116,12 @@ class ShardWorker:
         self._hang = hang
 
     def kv_checksum(self) -> float:
-        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks."""
-        return float(sum(t.double().abs().sum() for t in self.kv_caches))
+        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks (an fp8 cache's real,
+        dequantised values, so a replacement holding the same values under other scales sums the same)."""
+        if self.kv_scales is None:
+            return float(sum(t.double().abs().sum() for t in self.kv_caches))
+        return float(sum(dequantize(t, s[:, None, None, :, None], torch.float64).abs().sum()
+                         for t, s in zip(self.kv_caches, self.kv_scales)))
 
     def get_kv_scales(self) -> list[list[list[float]]] | None:
         """fp8 caches: every layer's [2, Hk] scales (identical on every shard: see cpattn/kvstore/fp8.py)."""
