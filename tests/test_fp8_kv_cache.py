@@ -299,5 +299,11 @@ def test_gpu_backends_say_they_do_not_serve_the_new_features_yet(backend, monkey
     assert f"fp8 KV cache (fp8_e4m3) not implemented for {backend} yet" in reasons
     assert f"sliding_window not implemented for {backend} yet" in reasons
     assert f"logits_soft_cap not implemented for {backend} yet" in reasons
+    # The default settings (kv_cache_dtype auto, no window, no cap) add no reason: the GPU kernels stay eligible.
+    from cpattn.attention.backend import AttentionSelectorConfig
+    from cpattn.attention.registry import load_backend_class
+    default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,
+                                      num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0))
+    assert not [r for r in load_backend_class(backend).validate(default) if "not implemented" in r]
     # auto on CUDA still takes TORCH for the new features.
     assert get_attn_backend("auto", kv_cache_dtype="fp8_e5m2", sliding_window=True, **geo).name == "TORCH"
