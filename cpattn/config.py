@@ -108,6 +108,20 @@ class ServiceConfig(BaseModel):
     """Most steps open at once (each holds a thread on every shard while open); one more is refused with
     CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing
     have threads of their own."""
+    sliding_window: int | list[int | None] | None = None
+    """Local attention (Mistral/Gemma style): a query at global position p sees keys at positions
+    p - W < j <= p (W keys, itself included). One int for every layer, a list with one entry per layer
+    (None = full attention on that layer), or None. Applied on global positions on every shard."""
+    logits_soft_cap: float | list[float | None] | None = None
+    """Gemma-2 style soft cap of the scaled logits: s -> cap * tanh(s / cap). One value for every layer,
+    one per layer (None = no cap), or None."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache element type: auto = the activation dtype; fp8_e4m3 (alias fp8, as in vLLM) or fp8_e5m2
+    store one byte per element with a float32 scale per (layer, K/V, kv head), so a shard holds about
+    twice the tokens of bf16 (four times float32). Scales are dynamic (kv_scales unset) or static."""
+    kv_scales: list[list[list[float]]] | None = None
+    """Static fp8 scales from a checkpoint's calibration: [num_layers][2 (K, V)][num_kv_heads], dequantised
+    value = stored * scale. Unset: dynamic scales, computed on write (see cpattn/kvstore/fp8.py)."""
 
     def __init__(self, **data: Any):
         # Raise our own ConfigError (a ValueError too) so callers catch one hierarchy.
@@ -131,6 +145,28 @@ class ServiceConfig(BaseModel):
                 f"use a dcp_interleave dividing {self.block_size} (1 or {self.block_size})")
         if self.backend != "auto" and not self.backend.replace("_", "").isalnum():
             raise ValueError(f"backend {self.backend!r} is not a backend name: use one of {', '.join(BACKENDS)}")
+        for name in ("sliding_window", "logits_soft_cap"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != self.num_layers:
+                raise ValueError(f"{name} has {len(value)} entries for {self.num_layers} layers: give one per "
+                                 "layer (None for a layer without it) or a single value for every layer")
+        for layer, w in enumerate(self.layer_windows()):
+            if w is not None and w < 1:
+                raise ValueError(f"sliding_window {w} of layer {layer} must be >= 1 (None disables the window)")
+        for layer, cap in enumerate(self.layer_soft_caps()):
+            if cap is not None and not cap > 0:
+                raise ValueError(f"logits_soft_cap {cap} of layer {layer} must be > 0 (None disables the cap)")
+        if self.kv_scales is not None:
+            if self.kv_cache_dtype == "auto":
+                raise ValueError("kv_scales are fp8 scales: set kv_cache_dtype to fp8_e4m3 or fp8_e5m2, "
+                                 "or drop kv_scales")
+            shape_ok = (len(self.kv_scales) == self.num_layers
+                        and all(len(kv) == 2 and all(len(h) == self.num_kv_heads for h in kv) for kv in self.kv_scales))
+            if not shape_ok:
+                raise ValueError(f"kv_scales must be [num_layers={self.num_layers}][2][num_kv_heads="
+                                 f"{self.num_kv_heads}] (one K and one V scale per layer and kv head)")
+            if not all(x > 0 and x < float("inf") for kv in self.kv_scales for h in kv for x in h):
+                raise ValueError("kv_scales must all be finite and > 0")
         if self.kv_replicas > self.num_shards:
             raise ValueError(
                 f"kv_replicas {self.kv_replicas} needs at least as many shards, num_shards is {self.num_shards}: "
@@ -144,9 +180,34 @@ class ServiceConfig(BaseModel):
 
         return getattr(torch, self.dtype)
 
+    def layer_windows(self) -> list[int | None]:
+        """sliding_window of every layer (None = full attention)."""
+        w = self.sliding_window
+        return list(w) if isinstance(w, list) else [w] * self.num_layers
+
+    def layer_soft_caps(self) -> list[float | None]:
+        """logits_soft_cap of every layer (None = no cap)."""
+        c = self.logits_soft_cap
+        return list(c) if isinstance(c, list) else [c] * self.num_layers
+
+    @property
+    def kv_cache_format(self) -> str:
+        """The cache element type by name: the activation dtype, fp8_e4m3 or fp8_e5m2 (alias fp8 resolved)."""
+        if self.kv_cache_dtype == "auto":
+            return self.dtype
+        return "fp8_e4m3" if self.kv_cache_dtype == "fp8" else self.kv_cache_dtype
+
+    def backend_features(self) -> dict:
+        """What beyond geometry and dtype the attention backend must serve (get_attn_backend keywords)."""
+        return {"kv_cache_dtype": "auto" if self.kv_cache_dtype == "auto" else self.kv_cache_format,
+                "sliding_window": any(w is not None for w in self.layer_windows()),
+                "logits_soft_cap": any(c is not None for c in self.layer_soft_caps())}
+
     def bytes_per_block(self) -> int:
-        """Bytes of one KV page across all layers (K and V)."""
-        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[self.dtype]
+        """Bytes of one KV page across all layers (K and V); fp8 caches hold one byte per element
+        (their per-(layer, kv head) scales are a few bytes per layer, not per page)."""
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "fp8_e4m3": 1,
+                    "fp8_e5m2": 1}[self.kv_cache_format]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
     def blocks_per_shard(self) -> int:

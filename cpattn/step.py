@@ -44,7 +44,8 @@ class Step:
         self._attended: set[int] = set()
         self._state = "new"   # new -> open -> committed | rolled_back
         self._sync_commit = sync_commit or not gateway.config.async_commit
-        self._replay: list[tuple[int, torch.Tensor]] | None = [] if gateway.config.kv_replicas == 2 else None
+        self._replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = (
+            [] if gateway.config.kv_replicas == 2 else None)
         self.recoveries = 0
         self.timings = {"plan_s": 0.0, "data_plane_s": 0.0}
         """Seconds: plan_s (begin_step + the shards' planning), data_plane_s (host time in attend: wire,
@@ -85,8 +86,13 @@ class Step:
             self._gw.rejoin()
         raise ServiceError("the service kept replacing shards while this step began; check `cpattn status`")
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of this step's tokens for one layer: q [T, Hq, D], k/v [T, Hk, D] -> out [T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of this step's tokens for one layer: q [T, Hq, D], k/v [T, Hk, D] -> out [T, Hq, D].
+
+        ``sinks`` [Hq]: learned attention-sink logits (gpt-oss style) of this layer, one extra softmax term
+        per head with no value; it enters once, in the client's merge (never once per shard).
+        """
         if self._state != "open":
             raise InvalidRequestError(f"attend() needs an open step (this one is {self._state}): "
                                       "use it inside `with svc.step(...) as step:`")
@@ -94,34 +100,36 @@ class Step:
             raise InvalidRequestError("attend() from a thread other than the one that opened the step: a client "
                                       "serves one thread (give each thread its own cpattn.connect())")
         self._validate(layer, q, k, v)
+        sinks = self._validate_sinks(sinks)
         for _ in range(MAX_RECOVERIES + 1):
             try:
-                out = self._wire_attend(layer, q, k, v)
+                out = self._wire_attend(layer, q, k, v, sinks)
                 break
             except WireError as exc:
                 self._recover(str(exc))
         else:
             self._fail_closed(f"layer {layer} failed after {MAX_RECOVERIES} shard recoveries")
         if self._replay is not None:
-            self._replay.append((layer, torch.cat([q, k, v], dim=1)))
+            self._replay.append((layer, torch.cat([q, k, v], dim=1), sinks))
         self._attended.add(layer)
         return out.to(q.device, q.dtype)
 
-    def _wire_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _wire_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         try:
             t0 = time.perf_counter()
-            out = self._gw.attend(self._wire, CMD_ATTEND, layer, q, k, v)
+            out = self._gw.attend(self._wire, CMD_ATTEND, layer, q, k, v, sinks)
         except RuntimeError as exc:   # torch.distributed errors (DistBackendError, gloo/NCCL failures)
             self._gw.plane_broken = True   # the group is unusable after any collective failure
             raise WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
         self.timings["data_plane_s"] += time.perf_counter() - t0
         return out
 
-    def _replay_layers(self, replay: list[tuple[int, torch.Tensor]]) -> None:
+    def _replay_layers(self, replay: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
         cfg = self._gw.config
         hq, hk = cfg.num_q_heads, cfg.num_kv_heads
-        for layer, packed in replay:
-            self.attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:])
+        for layer, packed, sinks in replay:
+            self.attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:], sinks)
 
     def _recover(self, why: str) -> None:
         """Roll the broken step back; if the service recovered every sequence of it, begin again and replay."""
@@ -148,10 +156,10 @@ class Step:
                        len(self._replay))
         gw.rejoin()
         self._begin()
-        for layer, packed in self._replay:
+        for layer, packed, sinks in self._replay:
             hq, hk = gw.config.num_q_heads, gw.config.num_kv_heads
             try:
-                self._wire_attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:])
+                self._wire_attend(layer, packed[:, :hq], packed[:, hq:hq + hk], packed[:, hq + hk:], sinks)
             except WireError as exc:
                 self._recover(str(exc))   # bounded by MAX_RECOVERIES through self.recoveries
                 return
@@ -201,6 +209,19 @@ class Step:
             if not bool(torch.isfinite(x).all()):
                 raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
                                           "(set nan_policy='allow' to accept them)")
+
+    def _validate_sinks(self, sinks) -> torch.Tensor | None:
+        if sinks is None:
+            return None
+        hq = self._gw.config.num_q_heads
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise InvalidRequestError(f"sinks must be a tensor [num_q_heads={hq}] of sink logits, got {shape}")
+        if not sinks.is_floating_point() or not bool(torch.isfinite(sinks).all()):
+            raise InvalidRequestError("sinks must be finite floating-point logits, one per query head "
+                                      "(pass sinks=None for a layer without sinks)")
+        return sinks.detach().to(self._gw.device, torch.float64 if self._gw.config.dtype == "float64"
+                                 else torch.float32)
 
     def _close(self, state: str) -> None:
         self._state = state

@@ -18,18 +18,37 @@ def unique_name(prefix: str) -> str:
     return f"{prefix}-{next(_names)}-{torch.randint(0, 10**9, ()).item()}"
 
 
-def causal_attention(q_TQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor) -> torch.Tensor:
-    """Full causal attention of the last T positions of a sequence of L keys; float64, GQA by repeat."""
+def causal_attention(q_TQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, window: int | None = None,
+                     soft_cap: float | None = None, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    """Full causal attention of the last T positions of a sequence of L keys; float64, GQA by repeat.
+
+    ``window`` W: query at position p sees keys p - W < j <= p. ``soft_cap`` c: scaled scores s -> c tanh(s / c).
+    ``sinks_Q``: one extra logit per head in the softmax denominator, with no value (gpt-oss).
+    """
     t, hq, d = q_TQD.shape
     l, hk, _ = k_LKD.shape
     k = k_LKD.double().repeat_interleave(hq // hk, dim=1)          # [L, Q, D]
     v = v_LKD.double().repeat_interleave(hq // hk, dim=1)
     scores_QTL = torch.einsum("tqd,lqd->qtl", q_TQD.double(), k) / math.sqrt(d)
+    if soft_cap is not None:
+        scores_QTL = soft_cap * torch.tanh(scores_QTL / soft_cap)
     query_pos = torch.arange(l - t, l)[:, None]
-    mask_TL = torch.arange(l)[None, :] <= query_pos
+    key_pos = torch.arange(l)[None, :]
+    mask_TL = key_pos <= query_pos
+    if window is not None:
+        mask_TL = mask_TL & (key_pos > query_pos - window)
     scores_QTL = scores_QTL.masked_fill(~mask_TL, -math.inf)
-    probs = torch.softmax(scores_QTL, dim=-1)
+    if sinks_Q is not None:
+        sink_col = sinks_Q.double()[:, None, None].expand(hq, t, 1)
+        probs = torch.softmax(torch.cat([scores_QTL, sink_col], dim=-1), dim=-1)[..., :l]
+    else:
+        probs = torch.softmax(scores_QTL, dim=-1)
     return torch.einsum("qtl,lqd->tqd", probs, v)
+
+
+def _per_layer(value, num_layers: int) -> list:
+    """A config's per-layer setting read as written: one value for all layers, a list, or None."""
+    return list(value) if isinstance(value, list) else [value] * num_layers
 
 
 class Oracle:
@@ -39,6 +58,10 @@ class Oracle:
         self.cfg = cfg
         self.gen = torch.Generator().manual_seed(seed)
         self.kv: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.windows = _per_layer(getattr(cfg, "sliding_window", None), cfg.num_layers)
+        self.soft_caps = _per_layer(getattr(cfg, "logits_soft_cap", None), cfg.num_layers)
+        self.sinks: dict[int, torch.Tensor] = {}
+        """Layer -> sink logits [Q] passed to attend (set by a test); layers absent have none."""
 
     def length(self, sid: str) -> int:
         k, _ = self.kv.get((sid, 0), (None, None))
@@ -65,7 +88,8 @@ class Oracle:
             k0, v0 = self.kv.get((sid, layer), (empty, empty))
             kk = torch.cat([k0, k[start:start + n].double()])
             vv = torch.cat([v0, v[start:start + n].double()])
-            outs.append(causal_attention(q[start:start + n], kk, vv))
+            outs.append(causal_attention(q[start:start + n], kk, vv, self.windows[layer], self.soft_caps[layer],
+                                         self.sinks.get(layer)))
             new_kv[(sid, layer)] = (kk, vv)
             start += n
         return torch.cat(outs), new_kv
@@ -88,7 +112,8 @@ def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None,
     with svc.step(request) as step:
         for layer in range(oracle.cfg.num_layers):
             q, k, v = oracle.random_qkv(t)
-            out = step.attend(layer, q, k, v)
+            sinks = oracle.sinks.get(layer)
+            out = step.attend(layer, q, k, v) if sinks is None else step.attend(layer, q, k, v, sinks=sinks)
             ref, new_kv = oracle.reference(request, layer, q, k, v)
             assert out.shape == ref.shape and out.dtype == oracle.cfg.torch_dtype
             err = (out.double() - ref).abs().max().item()

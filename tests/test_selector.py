@@ -173,6 +173,8 @@ FIELD_CHANGES = {
     "device_capability": dict(capability=(8, 0)),
     "needs_lse": dict(needs_lse=False),
     "use_pcp": dict(use_pcp=True),
+    "sliding_window": dict(sliding_window=True),
+    "logits_soft_cap": dict(logits_soft_cap=True),
 }
 
 

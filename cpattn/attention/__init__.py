@@ -6,7 +6,7 @@ torch only; never imports Ray, cluster/ or launch/.
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig, AttentionSpec,
                                       write_kv_cache)
-from cpattn.attention.merge import LseBase, merge_attn_states, to_natural_lse
+from cpattn.attention.merge import LseBase, apply_sinks, merge_attn_states, to_natural_lse
 from cpattn.attention.metadata import (CommonAttentionMetadata, make_causal_metadata,
                                        make_dcp_context_metadata)
 from cpattn.attention.registry import AttentionBackendEnum, register_backend
@@ -14,7 +14,7 @@ from cpattn.attention.selector import get_attn_backend
 
 __all__ = [
     "AttentionBackend", "AttentionBackendEnum", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
-    "AttentionSelectorConfig", "AttentionSpec", "CommonAttentionMetadata", "LseBase", "get_attn_backend",
+    "AttentionSelectorConfig", "AttentionSpec", "apply_sinks", "CommonAttentionMetadata", "LseBase", "get_attn_backend",
     "make_causal_metadata", "make_dcp_context_metadata", "merge_attn_states", "register_backend",
     "to_natural_lse", "write_kv_cache",
 ]

@@ -15,7 +15,9 @@ import torch
 
 from cpattn.attention.merge import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.errors import InvalidRequestError
 from cpattn.kvstore import MultipleOf
+from cpattn.kvstore.fp8 import fp8_format_of, quantize
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64"}
@@ -44,6 +46,10 @@ class AttentionSelectorConfig:
     device_capability: tuple[int, int] | None = None
     needs_lse: bool = True
     use_pcp: bool = False
+    sliding_window: bool = False
+    """Some layer uses a sliding window (measured on global positions under DCP)."""
+    logits_soft_cap: bool = False
+    """Some layer caps its logits (s -> cap * tanh(s / cap))."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +62,28 @@ class AttentionSpec:
     dtype: torch.dtype
     block_size: int            # kernel page size (after negotiation)
     device: str = "cpu"
+    sliding_windows: tuple[int | None, ...] = ()
+    """Per layer: window W (a query at p sees keys p - W < j <= p) or None; () = no layer has one."""
+    logits_soft_caps: tuple[float | None, ...] = ()
+    """Per layer: soft cap of the scaled logits or None; () = no layer has one."""
 
     @property
     def scale(self) -> float:
         return self.head_size ** -0.5
 
+    def window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+
+    def soft_cap(self, layer: int) -> float | None:
+        return self.logits_soft_caps[layer] if layer < len(self.logits_soft_caps) else None
+
 
 def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                   slot_mapping_T: torch.Tensor) -> None:
+                   slot_mapping_T: torch.Tensor, kv_scale_2K: torch.Tensor | None = None) -> None:
     """Write new K/V into the paged cache at their slots; slots of -1 (other ranks' tokens) are skipped.
 
-    Runs before attention so the kernel reads a cache that already holds the step's tokens.
+    Runs before attention so the kernel reads a cache that already holds the step's tokens. An fp8 cache
+    needs ``kv_scale_2K`` ([2, Hk] float32: K and V scale per kv head); values are stored as x / scale.
     """
     keep = slot_mapping_T >= 0
     if not bool(keep.any()):
@@ -74,8 +91,20 @@ def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: tor
     slots = slot_mapping_T[keep]
     _, num_blocks, block_size, hk, d = kv_cache_2NBKD.shape
     flat = kv_cache_2NBKD.view(2, num_blocks * block_size, hk, d)
-    flat[0].index_copy_(0, slots, k_TKD[keep].to(kv_cache_2NBKD.dtype))
-    flat[1].index_copy_(0, slots, v_TKD[keep].to(kv_cache_2NBKD.dtype))
+    if fp8_format_of(kv_cache_2NBKD.dtype) is not None:
+        if kv_scale_2K is None:
+            raise InvalidRequestError("an fp8 KV cache needs its scales to be written: pass kv_scale_2K [2, Hk]")
+        k_new = quantize(k_TKD[keep], kv_scale_2K[0][:, None], kv_cache_2NBKD.dtype)
+        v_new = quantize(v_TKD[keep], kv_scale_2K[1][:, None], kv_cache_2NBKD.dtype)
+    else:
+        k_new, v_new = k_TKD[keep].to(kv_cache_2NBKD.dtype), v_TKD[keep].to(kv_cache_2NBKD.dtype)
+    # index_copy_ has no fp8 kernel on CPU: copy the bytes (same element size) through a uint8 view.
+    as_bytes = fp8_format_of(kv_cache_2NBKD.dtype) is not None
+    for dst, src in ((flat[0], k_new), (flat[1], v_new)):
+        if as_bytes:
+            dst.view(torch.uint8).index_copy_(0, slots, src.view(torch.uint8))
+        else:
+            dst.index_copy_(0, slots, src)
 
 
 class AttentionMetadataBuilder:
@@ -95,12 +124,17 @@ class AttentionImpl:
         self.spec = spec
 
     def forward(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns out [T, Hq, D] (q's dtype) and lse [T, Hq] float32 in the backend's LSE base."""
+                kv_cache: torch.Tensor, attn_metadata: Any,
+                kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns out [T, Hq, D] (q's dtype) and lse [T, Hq] float32 in the backend's LSE base.
+
+        ``kv_scale`` [2, Hk] float32: the layer's fp8 scales when the cache is fp8 (None otherwise).
+        The layer's sliding window and soft cap come from the spec (``spec.window(layer)``).
+        """
         raise NotImplementedError
 
     def forward_new_tokens(self, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                           pieces_P3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           pieces_P3: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention among a step's new tokens, straight from q/k/v (no cache).
 
         ``pieces_P3`` rows are (q_start, q_end, k_start) in step token indices: queries
@@ -110,7 +144,8 @@ class AttentionImpl:
         """
         from cpattn.attention.backends.torch_ref import ragged_causal_attention
 
-        return ragged_causal_attention(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale)
+        return ragged_causal_attention(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale,
+                                       window=self.spec.window(layer), soft_cap=self.spec.soft_cap(layer))
 
 
 class AttentionBackend:
@@ -128,6 +163,8 @@ class AttentionBackend:
     can_return_lse: ClassVar[bool] = True
     supports_pcp: ClassVar[bool] = True
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
 
     @classmethod
     def get_name(cls) -> str:
@@ -169,8 +206,16 @@ class AttentionBackend:
         if config.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(cls.supported_dtypes)})")
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
-            reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
-                           f"(supports {', '.join(cls.supported_kv_cache_dtypes)})")
+            if config.kv_cache_dtype.startswith("fp8"):
+                reasons.append(f"fp8 KV cache ({config.kv_cache_dtype}) not implemented for {cls.name} yet "
+                               "(use backend TORCH, or kv_cache_dtype auto)")
+            else:
+                reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
+                               f"(supports {', '.join(cls.supported_kv_cache_dtypes)})")
+        if config.sliding_window and not cls.supports_sliding_window:
+            reasons.append(f"sliding_window not implemented for {cls.name} yet (use backend TORCH, or no window)")
+        if config.logits_soft_cap and not cls.supports_logits_soft_cap:
+            reasons.append(f"logits_soft_cap not implemented for {cls.name} yet (use backend TORCH, or no soft cap)")
         sizes = cls.supported_head_sizes
         if sizes is None:
             if config.head_size % 8 or config.head_size > 256:

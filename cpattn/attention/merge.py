@@ -68,3 +68,24 @@ def merge_attn_states(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: to
     out = torch.where(empty[..., None], torch.zeros_like(weighted), weighted / torch.where(empty, 1.0, total)[..., None])
     lse_out = torch.where(empty, torch.full_like(lse_max, -math.inf), safe_max + torch.log(torch.where(empty, 1.0, total)))
     return out.to(outs.dtype), lse_out
+
+
+def apply_sinks(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, sinks_Q: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add learned attention-sink logits (gpt-oss style) to a *fully merged* attention state.
+
+    A sink is one more logit per head in the softmax denominator with no value: with natural-log lse
+    over all keys, lse' = log(exp(lse) + exp(sink)) and out' = out * exp(lse - lse'). Applied once,
+    after every partial is merged, so the sink enters the LSE exactly once whatever the number of
+    shards (adding it to each shard's partial would count it N times). A row with no key (lse -inf)
+    gets out 0 and lse = sink. Returns (out in out's dtype, lse natural log).
+    """
+    if sinks_Q is None:
+        return out_TQD, lse_TQ
+    if sinks_Q.dim() != 1 or sinks_Q.shape[0] != out_TQD.shape[1]:
+        raise InvalidRequestError(f"sinks must be [num_q_heads={out_TQD.shape[1]}], got {tuple(sinks_Q.shape)}")
+    compute = torch.float64 if lse_TQ.dtype == torch.float64 or out_TQD.dtype == torch.float64 else torch.float32
+    lse = lse_TQ.to(compute)
+    new_lse = torch.logaddexp(lse, sinks_Q.to(lse.device, compute)[None, :])
+    keep = torch.exp(lse - new_lse)                                   # exp(-inf) = 0 for an empty row
+    return (out_TQD.to(compute) * keep[..., None]).to(out_TQD.dtype), new_lse

@@ -40,6 +40,28 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    query_positions_cpu: torch.Tensor | None = None
+    """(T,) int64: global position of each query token in its sequence (what sliding windows are measured on)."""
+    dcp_world_size: int = 1
+    dcp_rank: int = 0
+    dcp_interleave: int = 1
+    """DCP geometry of the keys this metadata addresses: local key l of this rank is global position
+    (l // I) * N * I + rank * I + l % I (N = 1: local = global)."""
+
+    def window_key_start(self, window: int | None) -> torch.Tensor | None:
+        """(T,) int64 on the CPU: the first *local* key index each query may read under a sliding window of
+        ``window`` global positions (query at p sees keys p - window < j <= p); None without a window.
+
+        Measured on global positions on every shard: the local keys before the start are exactly this
+        rank's tokens among global positions [0, p - window + 1), counted by the DCP interleave rule.
+        """
+        if window is None:
+            return None
+        if self.query_positions_cpu is None:
+            raise InvalidRequestError("this metadata carries no query positions: build it with "
+                                      "make_causal_metadata / make_dcp_context_metadata to use a sliding window")
+        first_global = (self.query_positions_cpu - window + 1).clamp(min=0)
+        return dcp_local_seq_lens(first_global, self.dcp_world_size, self.dcp_rank, self.dcp_interleave)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -87,7 +109,7 @@ def make_causal_metadata(query_lens: list[int], context_lens: list[int], block_t
         query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
         context_lens_cpu=c.clone(), block_table_tensor=block_table_BW.to(torch.int64), slot_mapping=slots,
         num_reqs=q.numel(), num_actual_tokens=int(qsl[-1]), max_query_len=int(q.max()) if q.numel() else 0,
-        max_seq_len=int(seq_lens.max()) if q.numel() else 0, causal=True)
+        max_seq_len=int(seq_lens.max()) if q.numel() else 0, causal=True, query_positions_cpu=positions)
 
 
 def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], local_block_table_BW: torch.Tensor,
@@ -117,4 +139,5 @@ def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], lo
         context_lens_cpu=local_ctx.clone(), block_table_tensor=local_block_table_BW.to(torch.int64),
         slot_mapping=slots, num_reqs=q.numel(), num_actual_tokens=int(qsl[-1]),
         max_query_len=int(q.max()) if q.numel() else 0,
-        max_seq_len=int(local_ctx.max()) if q.numel() else 0, causal=False)
+        max_seq_len=int(local_ctx.max()) if q.numel() else 0, causal=False, query_positions_cpu=positions,
+        dcp_world_size=world_size, dcp_rank=rank, dcp_interleave=interleave)

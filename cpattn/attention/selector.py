@@ -22,7 +22,8 @@ logger = logging.getLogger("cpattn.attention")
 def get_attn_backend(backend: str = "auto", *, head_size: int, dtype: torch.dtype | str, block_size: int,
                      num_q_heads: int, num_kv_heads: int, kv_cache_dtype: str = "auto",
                      device: str | torch.device = "cpu", needs_lse: bool = True,
-                     use_pcp: bool = False) -> type[AttentionBackend]:
+                     use_pcp: bool = False, sliding_window: bool = False,
+                     logits_soft_cap: bool = False) -> type[AttentionBackend]:
     """Return the backend class to use; raises BackendUnavailableError (with ``.reasons``)."""
     dev = torch.device(device)
     capability = None
@@ -32,7 +33,8 @@ def get_attn_backend(backend: str = "auto", *, head_size: int, dtype: torch.dtyp
         head_size=head_size, dtype=DTYPE_NAMES.get(dtype, str(dtype)) if isinstance(dtype, torch.dtype) else dtype,
         kv_cache_dtype=kv_cache_dtype, block_size=block_size, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, device_type=dev.type, device_capability=capability,
-        needs_lse=needs_lse, use_pcp=use_pcp)
+        needs_lse=needs_lse, use_pcp=use_pcp, sliding_window=bool(sliding_window),
+        logits_soft_cap=bool(logits_soft_cap))
     return _cached_get_attn_backend(backend.upper() if backend != "auto" else "auto", config, registry_generation())
 
 
@@ -70,7 +72,9 @@ def _cached_get_attn_backend(backend: str, config: AttentionSelectorConfig,
 def _describe(config: AttentionSelectorConfig) -> str:
     return (f"head_size={config.head_size} dtype={config.dtype} kv_cache_dtype={config.kv_cache_dtype} "
             f"block_size={config.block_size} heads={config.num_q_heads}/{config.num_kv_heads} "
-            f"device={config.device_type}")
+            f"device={config.device_type}"
+            + (" sliding_window" if config.sliding_window else "")
+            + (" logits_soft_cap" if config.logits_soft_cap else ""))
 
 
 def _log_choice(cls: type[AttentionBackend], config: AttentionSelectorConfig, explicit: bool) -> None:

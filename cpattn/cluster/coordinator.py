@@ -709,7 +709,8 @@ class Coordinator:
                 infos = self.shard_set.infos
                 info = infos[rank] if rank < len(infos) else {}
                 shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
-                               "tokens": tokens, "bytes": pool.num_used_blocks * bytes_per_block,
+                               "blocks_total": pool.num_blocks,
+                               "token_capacity": pool.num_blocks * self.config.block_size, "tokens": tokens, "bytes": pool.num_used_blocks * bytes_per_block,
                                "node_ip": info.get("node_ip"), "node_id": info.get("node_id"),
                                "device": info.get("device"), "backend": info.get("backend"),
                                "alive": rank not in self.shard_set.lost})
@@ -728,7 +729,8 @@ class Coordinator:
                     "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
                     "open_steps": len(self.steps), "num_clients": len(self.clients),
-                    "kv_replicas": self.config.kv_replicas,
+                    "kv_replicas": self.config.kv_replicas, "kv_cache_dtype": self.config.kv_cache_format,
+                    "kv_bytes_per_block": bytes_per_block,
                     "backend": self.shard_set.infos[0]["backend"] if self.shard_set.infos else None,
                     "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}
 

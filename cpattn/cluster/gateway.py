@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from cpattn.attention import get_attn_backend
+from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.lease import LeaseKeeper
@@ -59,7 +59,8 @@ class PendingCommit:
 
     step_id: int
     request: dict[str, int]
-    replay: list[tuple[int, torch.Tensor]] | None
+    replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None
+    """(layer, q|k|v, sinks) of every attended layer (kv_replicas=2)."""
     timings: dict[str, float]
     """The Step's own timings dict: completed in place when the answer is read."""
     ref: Any
@@ -177,7 +178,7 @@ class Gateway:
                            "export_kv")
             backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
                                        block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
-                                       num_kv_heads=cfg.num_kv_heads, device=self.device)
+                                       num_kv_heads=cfg.num_kv_heads, device=self.device, **cfg.backend_features())
             try:
                 caches = [open_shared_cache(h, self.device) for h in handles]
             except RuntimeError as exc:
@@ -207,6 +208,9 @@ class Gateway:
         # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
         if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
             return []
+        if self.config.kv_cache_dtype != "auto":
+            return []   # fp8 scales live (and grow) in the shard's process; not shared by IPC yet
+
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)
         return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]
@@ -288,8 +292,9 @@ class Gateway:
         return info
 
     def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
-               v_TKD: torch.Tensor) -> torch.Tensor:
-        """One layer: broadcast to remote shards, compute the local ones, merge every partial here."""
+               v_TKD: torch.Tensor, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer: broadcast to remote shards, compute the local ones, merge every partial here.
+        ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks)."""
         cfg = self.config
         q, k, v = (x.to(self.device, non_blocking=True) for x in (q_TQD, k_TKD, v_TKD))
         if self.plane is not None:
@@ -304,7 +309,7 @@ class Gateway:
                                                            lse_dtype, self.device, partial_tag(wire.step_id, layer))
                 wire.broken.append(broken)
                 parts.append((rows, out, lse))
-        return merge_rows(parts, wire.num_tokens)
+        return merge_rows(parts, wire.num_tokens, sinks_Q)
 
     def abort_wire(self, wire: StepWire) -> None:
         """Release the remote shards still waiting for this step's layers (same message size as a layer)."""
@@ -330,13 +335,21 @@ class Gateway:
             logger.warning("closing client %s: %s", self.client_id, exc)
 
 
-def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int) -> torch.Tensor:
-    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more."""
+def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int,
+               sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more.
+    Sink logits (``sinks_Q``), when given, enter the merged state once."""
+    if sinks_Q is not None:
+        return apply_sinks(*_merge_rows_lse(parts, num_tokens), sinks_Q)[0]
+    return _merge_rows_lse(parts, num_tokens)[0]
+
+
+def _merge_rows_lse(parts, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 1 and parts[0][0] is None:
-        return parts[0][1]
+        return parts[0][1], parts[0][2]
     _, first, first_lse = parts[0]
     if all(rows is None for rows, _, _ in parts):
-        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))[0]
+        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))
     outs_NTQD = first.new_zeros((len(parts), num_tokens) + tuple(first.shape[1:]))
     lses_NTQ = first_lse.new_full((len(parts), num_tokens) + tuple(first_lse.shape[1:]), float("-inf"))
     for n, (rows, out, lse) in enumerate(parts):
@@ -345,7 +358,7 @@ def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor
         else:
             outs_NTQD[n].index_copy_(0, rows, out)
             lses_NTQ[n].index_copy_(0, rows, lse)
-    return merge_partials(outs_NTQD, lses_NTQ)[0]
+    return merge_partials(outs_NTQD, lses_NTQ)
 
 
 __all__ = ["Gateway", "StepWire", "PendingCommit", "merge_rows", "choose_data_plane", "client_device"]

@@ -18,6 +18,8 @@ from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
+from cpattn.errors import CpattnError
+from cpattn.kvstore.fp8 import dynamic_scales, is_fp8, rescale_cache
 from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 
@@ -39,17 +41,24 @@ def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class ShardLayerRunner:
-    def __init__(self, config: ServiceConfig, backend_cls, kv_caches: list[torch.Tensor], device: torch.device):
+    def __init__(self, config: ServiceConfig, backend_cls, kv_caches: list[torch.Tensor], device: torch.device,
+                 kv_scales: list[torch.Tensor] | None = None):
         self.config = config
         self.backend = backend_cls
         self.kv_caches = kv_caches
+        self.kv_format = config.kv_cache_format if is_fp8(config.kv_cache_format) else None
+        self.kv_scales = kv_scales
+        """fp8 caches: per layer [2, Hk] float32 scales (owned by the shard; dynamic ones grow on write)."""
+        if self.kv_format is not None and kv_scales is None:
+            raise CpattnError(f"an {self.kv_format} KV cache needs its scales: pass kv_scales")
         self.device = device
         self.dtype = config.torch_dtype
         self.lse_dtype = lse_wire_dtype(self.dtype)
         self.kernel_block_size = select_common_kernel_block_size(
             config.block_size, [backend_cls.get_supported_kernel_block_sizes()])
         spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
-                             self.kernel_block_size, str(device))
+                             self.kernel_block_size, str(device), tuple(config.layer_windows()),
+                             tuple(config.layer_soft_caps()))
         self.builder = backend_cls.get_builder_cls()(spec)
         self.impl = backend_cls.get_impl_cls()(spec)
 
@@ -71,13 +80,22 @@ class ShardLayerRunner:
 
         No host synchronisation and no Python work that grows with T: every index was planned.
         """
+        scale = None
+        if self.kv_format is not None:
+            scale = self.kv_scales[layer]
+            if self.config.kv_scales is None:
+                # Dynamic scales: every shard sees the whole step's K/V, so all compute the same growth.
+                grown = dynamic_scales(scale, k_TKD, v_TKD, self.kv_format)
+                rescale_cache(self.kv_caches[layer], scale, grown)
+                scale.copy_(grown)
         if step.replica_slots is not None:
-            write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots)
+            write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots, scale)
         kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
-        out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata)
+        extra = {} if scale is None else {"kv_scale": scale}
+        out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata, **extra)
         lse = to_natural_lse(lse.to(self.lse_dtype), self.backend.lse_base)
         if step.pieces.numel():
-            new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces)
+            new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
             out, lse = merge_partials(torch.stack([out, new_out.to(out.dtype)]),
                                       torch.stack([lse, new_lse.to(self.lse_dtype)]))
         if step.rows is not None:

@@ -25,6 +25,7 @@ from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError, StepFencedError
+from cpattn.kvstore.fp8 import dequantize, dynamic_scales, fp8_dtype, initial_scales, is_fp8, quantize, rescale_cache
 
 logger = logging.getLogger("cpattn.shard")
 
@@ -71,12 +72,20 @@ class ShardWorker:
         self.dtype = config.torch_dtype
         self.backend = get_attn_backend(
             config.backend, head_size=config.head_size, dtype=self.dtype, block_size=config.block_size,
-            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device)
+            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device,
+            **config.backend_features())
         self.num_blocks = config.blocks_per_shard()
         shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
                                                 config.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
-        self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device)
+        self.kv_format = config.kv_cache_format if is_fp8(config.kv_cache_format) else None
+        self.cache_dtype = fp8_dtype(self.kv_format) if self.kv_format else self.dtype
+        self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+                          for _ in range(config.num_layers)]
+        # fp8: [2, Hk] float32 scales per layer (static from the config, or dynamic: 0 until the first write).
+        self.kv_scales = None if self.kv_format is None else [
+            initial_scales(config.num_kv_heads, None if config.kv_scales is None else config.kv_scales[layer],
+                           self.device) for layer in range(config.num_layers)]
+        self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales)
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
         self._lock = threading.Lock()
@@ -105,6 +114,7 @@ class ShardWorker:
                 "gpu_uuid": gpu_uuid, "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
                 "kernel_version": self.backend.kernel_version(), "lse_base": self.backend.lse_base.name,
                 "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size, "ready": self._ready,
+                "kv_cache_dtype": str(self.cache_dtype).removeprefix("torch."),
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
 
     def ping(self) -> bool:
@@ -115,8 +125,16 @@ class ShardWorker:
         self._hang = hang
 
     def kv_checksum(self) -> float:
-        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks."""
-        return float(sum(t.double().abs().sum() for t in self.kv_caches))
+        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks (an fp8 cache's real,
+        dequantised values, so a replacement holding the same values under other scales sums the same)."""
+        if self.kv_scales is None:
+            return float(sum(t.double().abs().sum() for t in self.kv_caches))
+        return float(sum(dequantize(t, s[:, None, None, :, None], torch.float64).abs().sum()
+                         for t, s in zip(self.kv_caches, self.kv_scales)))
+
+    def get_kv_scales(self) -> list[list[list[float]]] | None:
+        """fp8 caches: every layer's [2, Hk] scales (identical on every shard: see cpattn/kvstore/fp8.py)."""
+        return None if self.kv_scales is None else [s.tolist() for s in self.kv_scales]
 
     def _authorize(self, secret: str | None, what: str) -> None:
         """Calls that read or write KV, or end a client, come from this service's coordinator only."""
@@ -150,16 +168,31 @@ class ShardWorker:
         return [reduce_tensor(t)[1] for t in self.kv_caches]
 
     def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
-        """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer)."""
+        """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer).
+        An fp8 cache's pages come back dequantised (float32 real values), so the receiver needs no scales."""
         self._authorize(secret, "read_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
+        if self.kv_scales is None:
+            return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
+        return torch.stack([dequantize(t[:, idx], s[:, None, None, :, None], torch.float32)
+                            for t, s in zip(self.kv_caches, self.kv_scales)]).cpu()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None) -> None:
         self._authorize(secret, "write_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, t in enumerate(self.kv_caches):
-            t[:, idx] = data[layer].to(self.device, self.dtype)
+            if self.kv_scales is None:
+                t[:, idx] = data[layer].to(self.device, self.dtype)
+                continue
+            pages = data[layer].to(self.device, torch.float32)             # [2, n, B, Hk, D] real values
+            scale = self.kv_scales[layer]
+            if self.config.kv_scales is None:
+                # Dynamic: grow to cover the copied pages (powers of two, so the copy is exact; fp8.py).
+                flat = pages.reshape(2, -1, pages.shape[-2], pages.shape[-1])
+                grown = dynamic_scales(scale, flat[0], flat[1], self.kv_format)
+                rescale_cache(t, scale, grown)
+                scale.copy_(grown)
+            t[:, idx] = quantize(pages, scale[:, None, None, :, None], t.dtype)
 
     def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
         """Write seeded random K/V for the plan's new tokens this shard owns (benchmarks, load tests).
@@ -180,9 +213,16 @@ class ShardWorker:
                     n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
                     k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)
                     k, v = k.to(self.dtype), v.to(self.dtype)
+                    scale = None
+                    if self.kv_scales is not None:
+                        scale = self.kv_scales[layer]
+                        if self.config.kv_scales is None:
+                            grown = dynamic_scales(scale, k, v, self.kv_format)
+                            rescale_cache(cache, scale, grown)
+                            scale.copy_(grown)
                     for chunk_slots in (slots, replica):
                         if chunk_slots is not None:
-                            write_kv_cache(cache, k, v, chunk_slots[start:start + n])
+                            write_kv_cache(cache, k, v, chunk_slots[start:start + n], scale)
             finally:
                 self._fence.leave()
         return int((slots >= 0).sum())

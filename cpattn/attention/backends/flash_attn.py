@@ -199,11 +199,11 @@ class FlashAttentionImpl(AttentionImpl):
             lse = lse.masked_fill(md.empty_rows[:, None], -math.inf)
         return out, lse
 
-    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         """Pieces as one varlen call over gathered (q, k) segments: queries [qs, qe) vs keys [ks, qe),
         causal bottom-right, so query qs + i sees keys [ks, qs + i]."""
         if not q_TQD.is_cuda:
-            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
         t, hq, d = q_TQD.shape
         out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
         lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)

@@ -148,7 +148,7 @@ class FlashInferImpl(AttentionImpl):
             lse.index_copy_(0, md.token_order, (torch.cat(lses) if len(lses) > 1 else lses[0]).float())
         return out, lse
 
-    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         # FlashInfer's ragged prefill would be one more JIT module; the Triton prefill kernel serves
         # the causal part among new tokens on CUDA (it ships with every CUDA torch).
         if q_TQD.is_cuda:
@@ -158,7 +158,7 @@ class FlashInferImpl(AttentionImpl):
                 pass
             else:
                 return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
-        return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+        return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
 
 
 class FlashInferBackend(AttentionBackend):

@@ -104,15 +104,19 @@ class TritonAttentionImpl(AttentionImpl):
                    md.causal, self.spec.scale, out, lse)
         return out, lse
 
-    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3):
+    def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         if not q_TQD.is_cuda:
-            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3)
+            return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
         return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
 
 
 def write_kv_cache_fast(kv_cache: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                        slot_mapping_T: torch.Tensor) -> None:
-    """The KV update before attention: a Triton scatter on CUDA (no host sync), torch elsewhere."""
+                        slot_mapping_T: torch.Tensor, kv_scale_2K: torch.Tensor | None = None) -> None:
+    """The KV update before attention: a Triton scatter on CUDA (no host sync), torch elsewhere.
+    An fp8 cache (``kv_scale_2K`` given) is written by the torch path, which quantises."""
+    if kv_scale_2K is not None:
+        write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2K)
+        return
     if kv_cache.is_cuda:
         try:
             from cpattn.attention.backends import triton_kernels as tk
