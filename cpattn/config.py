@@ -66,7 +66,8 @@ class ServiceConfig(BaseModel):
     async_commit: bool = True
     """Send a step's commit without waiting; the answer is read by the client's next call, so a decode loop
     pays one Ray round trip per step. A shard lost between the last layer and the commit is then reported
-    (kv_replicas=1) or replayed (kv_replicas=2) at that next call instead of at the end of the step."""
+    (kv_replicas=1) or replayed (kv_replicas=2) at that next call instead of at the end of the step. A detached
+    service always commits before the step ends (its coordinator can restart in between)."""
     pcp_enabled: bool = True
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)

@@ -43,7 +43,9 @@ class Step:
         self._wire: StepWire | None = None
         self._attended: set[int] = set()
         self._state = "new"   # new -> open -> committed | rolled_back
-        self._sync_commit = sync_commit or not gateway.config.async_commit
+        # A detached coordinator can restart between a step's end and its commit: its callers must know the
+        # outcome when the step ends (StepFencedError means run it again), so they always wait.
+        self._sync_commit = sync_commit or not gateway.config.async_commit or gateway.config.detached
         self._replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = (
             [] if gateway.config.kv_replicas == 2 else None)
         self.recoveries = 0
