@@ -123,7 +123,7 @@ def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None,
             pending.update(new_kv)
             if after_layer is not None:
                 after_layer(step, layer)
-    svc.sequences()   # reads a commit sent without waiting (async_commit): a late rollback raises here
+    svc.gateway.flush()   # reads a commit sent without waiting (async_commit): a late rollback raises here
     oracle.commit(pending)
     for sid in request:
         assert svc.sequence_length(sid) == oracle.length(sid)
