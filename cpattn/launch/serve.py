@@ -105,23 +105,26 @@ class EmbeddedServer:
         import ray
 
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # The watch runs in a thread so the main thread only waits on an Event, where a signal lands at once:
+        # a signal arriving inside ray.get_actor while the group's GCS goes down used to wait out Ray's
+        # 60 s GCS reconnect ("Failed to connect to GCS within 60 seconds") before serve could react.
+        ended, why = threading.Event(), {}
+        watcher = threading.Thread(target=self._watch, args=(ended, why), name="cpattn-serve-watch", daemon=True)
         try:
             try:
                 print(announcement, flush=True)
-                while True:
-                    self._record_workers()
-                    time.sleep(self.POLL_S)
-                    if not self._daemons_alive():
-                        print("the embedded Ray instance stopped: exiting", file=sys.stderr, flush=True)
-                        self._exit_without_ray(1)
-                    try:
-                        ray.get_actor(self.cfg.name, namespace=self.cfg.namespace)
-                    except ValueError:
-                        print(f"service {self.cfg.name!r} was stopped (`cpattn stop`): shutting down the embedded "
-                              "Ray instance", file=sys.stderr, flush=True)
-                        ray.shutdown()
-                        return 0
+                watcher.start()
+                while not ended.wait(self.POLL_S):
+                    pass
+                if why.get("daemons_gone"):
+                    print("the embedded Ray instance stopped: exiting", file=sys.stderr, flush=True)
+                    self._exit_without_ray(1)
+                print(f"service {self.cfg.name!r} was stopped (`cpattn stop`): shutting down the embedded "
+                      "Ray instance", file=sys.stderr, flush=True)
+                ray.shutdown()
+                return 0
             except KeyboardInterrupt:
+                ended.set()   # the watcher stops at its next poll
                 print("stopping the service", file=sys.stderr, flush=True)
             # SIGTERM to the whole group (timeout, systemd) also reaches the raylet and GCS, which then drain
             # and stop answering: stop through them only while they do, each step bounded, else take the
@@ -136,6 +139,21 @@ class EmbeddedServer:
             self._exit_without_ray(0)
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _watch(self, ended: threading.Event, why: dict) -> None:
+        """Until ``ended``: remember the instance's workers; end when its daemons or the service are gone."""
+        import ray
+
+        while not ended.wait(self.POLL_S):
+            self._record_workers()
+            if not self._daemons_alive():
+                why["daemons_gone"] = True
+                break
+            try:
+                ray.get_actor(self.cfg.name, namespace=self.cfg.namespace)
+            except ValueError:
+                break
+        ended.set()
 
     def _bounded(self, fn, timeout_s: float, watch_daemons: bool = True) -> bool:
         """Run ``fn`` in a thread; True if it returned within ``timeout_s`` (and, watching them, before the
@@ -190,12 +208,13 @@ class EmbeddedServer:
             self.node.kill_all_processes(check_alive=False, allow_graceful=False)
         except Exception:
             pass
-        for proc in self.workers.values():
+        workers = list(self.workers.values())   # the watcher may still be adding to the dict
+        for proc in workers:
             try:
                 proc.kill()   # psutil checks the process is still the one recorded (pid reuse)
             except psutil.Error:
                 pass
-        psutil.wait_procs(list(self.workers.values()), timeout=5)
+        psutil.wait_procs(workers, timeout=5)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
