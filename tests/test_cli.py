@@ -316,7 +316,12 @@ def test_serve_embedded_stops_cleanly_however_it_is_told():
                 os.killpg(proc.pid, key)
                 expected = "stopping the service"
             t0 = time.monotonic()
-            assert proc.wait(timeout=60) == 0, (key, proc.stderr.read())
+            try:
+                code = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                pytest.fail(f"{key}: serve did not exit within 60 s; it printed:\n{proc.stderr.read()[-4000:]}")
+            assert code == 0, (key, proc.stderr.read())
             took = time.monotonic() - t0
             left = wait_session_empty(proc.pid, 5)
             err = proc.stderr.read()

@@ -104,7 +104,9 @@ class EmbeddedServer:
         """Print ``announcement`` once signals are handled, then serve; the exit status."""
         import ray
 
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # Both handled explicitly: a serve started from a script in the background inherits SIGINT ignored
+        # (POSIX shells do that for background jobs), and `kill -INT` must still stop it.
+        previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         # The watch runs in a thread so the main thread only waits on an Event, where a signal lands at once:
         # a signal arriving inside ray.get_actor while the group's GCS goes down used to wait out Ray's
         # 60 s GCS reconnect ("Failed to connect to GCS within 60 seconds") before serve could react.
@@ -138,7 +140,8 @@ class EmbeddedServer:
                 pass
             self._exit_without_ray(0)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _watch(self, ended: threading.Event, why: dict) -> None:
         """Until ``ended``: remember the instance's workers; end when its daemons or the service are gone."""
