@@ -14,6 +14,7 @@ import ray
 import cpattn
 from conftest import service_config
 from reliability_common import RPC_S, current_shards
+from user_env import user_env
 from service_oracle import Oracle, checked_step
 
 MAX_KILLS = 3
@@ -100,8 +101,7 @@ def test_random_shard_kills_during_a_workload(ray_session):
 
 LOOPING_CLIENT = """
 import logging, sys, time, ray, torch, cpattn
-ray.init(address=sys.argv[1], namespace=sys.argv[3], logging_level=logging.WARNING, log_to_driver=False)
-svc = cpattn.connect(name=sys.argv[2], namespace=sys.argv[3])
+svc = cpattn.connect(name=sys.argv[2], namespace=sys.argv[3], address=sys.argv[1])
 cfg = svc.config
 sid = svc.add_sequence()
 g = torch.Generator().manual_seed(0)
@@ -152,7 +152,7 @@ def test_coordinator_restarts_and_a_client_crash_under_traffic(ray_session):
         checked_step(svc, idle_oracle, {idle: 13}, tol=TOL)
         gcs = ray.get_runtime_context().gcs_address
         proc = subprocess.Popen([sys.executable, "-c", LOOPING_CLIENT, gcs, cfg.name, cfg.namespace],
-                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, RAY_AUTH_MODE="token"))
+                                stdout=subprocess.PIPE, text=True, env=user_env())
         assert select.select([proc.stdout], [], [], 180)[0] and proc.stdout.readline().startswith("READY")
         stop = threading.Event()
         commits: list[float] = []          # monotonic begin time of every committed step

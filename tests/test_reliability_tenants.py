@@ -18,6 +18,7 @@ import cpattn
 from conftest import service_config
 from cpattn.errors import CapacityError, CpattnError, InvalidRequestError, ServiceError
 from reliability_common import RPC_S, current_shards, snapshot, wait_for
+from user_env import user_env
 from service_oracle import Oracle, checked_step, run_step
 
 TOL = 1e-10
@@ -214,8 +215,7 @@ def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retr
 
 DYING_CLIENT = """
 import logging, sys, time, ray, torch, cpattn
-ray.init(address=sys.argv[1], namespace=sys.argv[3], logging_level=logging.WARNING, log_to_driver=False)
-svc = cpattn.connect(name=sys.argv[2], namespace=sys.argv[3], on_lapse=sys.argv[4])
+svc = cpattn.connect(name=sys.argv[2], namespace=sys.argv[3], address=sys.argv[1], on_lapse=sys.argv[4])
 cfg = svc.config
 a, b = svc.add_sequence(), svc.add_sequence()
 svc.fill_synthetic(a, 10, seed=1)
@@ -258,7 +258,7 @@ def test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_per
         run_step(svc, oracle, {mine: 6})
         base = _shard_usage(svc)
         gcs = ray.get_runtime_context().gcs_address
-        env = dict(os.environ, RAY_AUTH_MODE="token")
+        env = user_env()
         for mode in ("free", "keep"):
             procs[mode] = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, gcs, cfg.name, cfg.namespace, mode],
                                            stdout=subprocess.PIPE, text=True, env=env)
