@@ -18,7 +18,7 @@ CPATTN = [str(BIN / "cpattn")] if (BIN / "cpattn").exists() else [sys.executable
 
 def user_env(**extra) -> dict:
     """This process's environment minus what a user would not have: no RAY_AUTH_MODE (Ray 2.60's default,
-    token auth, applies; this pytest process gets RAY_AUTH_MODE=token from its own ray.init), no
+    token auth, applies; this pytest process's own ray.init switches it to token mode), no
     RAY_ADDRESS, no PYTHONPATH (the installed package runs). The venv's bin first on PATH, as after
     `source .venv/bin/activate`."""
     drop = {"RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "PYTHONPATH"}
