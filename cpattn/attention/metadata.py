@@ -113,12 +113,17 @@ def make_causal_metadata(query_lens: list[int], context_lens: list[int], block_t
 
 
 def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], local_block_table_BW: torch.Tensor,
-                              block_size: int, world_size: int, rank: int,
-                              interleave: int) -> CommonAttentionMetadata:
+                              block_size: int, world_size: int, rank: int, interleave: int,
+                              fold_decodes: bool = False) -> CommonAttentionMetadata:
     """One shard's metadata for a step: queries vs the local context it held before the step.
 
     ``local_block_table_BW`` must already hold the pages for the new tokens this rank owns; their
     slots are in ``slot_mapping`` (other ranks' tokens are -1), but ``seq_lens`` exclude them.
+
+    ``fold_decodes``: a decode (a request with one new token) also sees its own key on the rank that
+    stores it: that rank's ``seq_lens`` count the token (backends write K/V before attending), so the
+    step needs no separate causal pass and no extra merge for it (``plan_causal_pieces(skip_decodes=True)``
+    leaves decodes out). ``context_lens_cpu`` still counts only the keys held before the step.
     """
     q = torch.as_tensor(query_lens, dtype=torch.int64)
     c = torch.as_tensor(context_lens, dtype=torch.int64)
@@ -134,10 +139,16 @@ def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], lo
                             torch.full_like(positions, PAD_SLOT_ID))
     req_of_tok = torch.repeat_interleave(torch.arange(q.numel()), q)
     slots = compute_slot_mapping(local_block_table_BW, local_pos, req_of_tok, block_size)
+    seq_lens = local_ctx
+    if fold_decodes:
+        # A decode's one token is row qsl[r]; the rank owning it reads it back from its cache.
+        decodes = (q == 1).nonzero().flatten()
+        seq_lens = local_ctx.clone()
+        seq_lens[decodes] += owned[qsl[decodes]].to(torch.int64)
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=local_ctx, seq_lens_cpu=local_ctx.clone(),
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
         context_lens_cpu=local_ctx.clone(), block_table_tensor=local_block_table_BW.to(torch.int64),
         slot_mapping=slots, num_reqs=q.numel(), num_actual_tokens=int(qsl[-1]),
         max_query_len=int(q.max()) if q.numel() else 0,
-        max_seq_len=int(local_ctx.max()) if q.numel() else 0, causal=False, query_positions_cpu=positions,
+        max_seq_len=int(seq_lens.max()) if q.numel() else 0, causal=False, query_positions_cpu=positions,
         dcp_world_size=world_size, dcp_rank=rank, dcp_interleave=interleave)

@@ -32,8 +32,11 @@ def _cost(q_start: int, q_end: int, k_start: int) -> int:
 
 
 def plan_causal_pieces(query_lens: list[int], world_size: int, pcp_min_tokens: int,
-                       pcp_enabled: bool = True) -> list[torch.Tensor]:
-    """Per rank, an int64 [P, 3] tensor of pieces; together they cover every new token exactly once."""
+                       pcp_enabled: bool = True, skip_decodes: bool = False) -> list[torch.Tensor]:
+    """Per rank, an int64 [P, 3] tensor of pieces; together they cover every new token exactly once.
+
+    ``skip_decodes``: requests with one new token get no piece; the rank storing that token attends
+    it in its context pass instead (``make_dcp_context_metadata(fold_decodes=True)``)."""
     if world_size < 1:
         raise ValueError(f"world_size {world_size} must be >= 1")
     pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
@@ -43,7 +46,8 @@ def plan_causal_pieces(query_lens: list[int], world_size: int, pcp_min_tokens: i
     for q_len in query_lens:
         if q_len < 0:
             raise ValueError(f"query length {q_len} must be >= 0")
-        if q_len == 0:
+        if q_len == 0 or (skip_decodes and q_len == 1):
+            start += q_len
             continue
         if pcp_enabled and world_size > 1 and q_len >= max(pcp_min_tokens, 2 * world_size):
             chunks = _chunk_bounds(start, q_len, 2 * world_size)

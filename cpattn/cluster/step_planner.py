@@ -51,12 +51,13 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]
-    pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled)
+    # Decodes are folded into the context pass of the rank storing their token (no causal pass, no extra merge).
+    pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled, skip_decodes=True)
     plans = []
     for rank in range(n):
         table = allocator.tables[rank].gather([r.rows.primary[rank] for r in requests])
         md = make_dcp_context_metadata(query_lens, context_lens, table, allocator.block_size, n, rank,
-                                       allocator.interleave)
+                                       allocator.interleave, fold_decodes=True)
         replica_slots = None
         if allocator.replicas == 2:
             # The replica rows mirror the owner's layout, so the owner's slot rule applies to them.
