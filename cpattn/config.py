@@ -63,6 +63,10 @@ class ServiceConfig(BaseModel):
     cache opened by CUDA IPC (no hand-over between two processes on one GPU); off: every shard over the wire.
     A detached service (cpattn serve) always uses the wire: its coordinator may restart mid-step, and only
     the shards themselves can fence a previous incarnation's writes."""
+    cuda_graphs: Literal["auto", "off"] = "auto"
+    """auto: a decode-only step on CUDA shards whose backend declares CUDA-graph support (TRITON) replays one
+    captured graph per layer (KV write, paged decode, split merge, NaN check: one launch instead of ~10),
+    captured once per (batch size, KV splits, block-table width) bucket; off: eager launches every layer."""
     async_commit: bool = True
     """Send a step's commit without waiting; the answer is read by the client's next call, so a decode loop
     pays one Ray round trip per step. A shard lost between the last layer and the commit is then reported

@@ -200,12 +200,9 @@ class Step:
             if x.device.type not in ("cpu", "cuda"):
                 # meta/other devices hold no data to send: they would fail deep inside the data plane.
                 raise InvalidRequestError(f"{name} is on {x.device}: q, k and v must be CPU or CUDA tensors")
-        if cfg.nan_policy != "reject":
-            return
-        if q.is_cuda:
-            # Read once at the end of the step (a read here would stall the GPU every layer); a step
-            # that had NaN/inf is rolled back there, so the cache never keeps them.
-            self._wire.nonfinite.append(torch.stack([~torch.isfinite(x).all() for x in (q, k, v)]).any())
+        if cfg.nan_policy != "reject" or self._wire.norms is not None:
+            # On a CUDA gateway the check is one reduction per layer, read once at the end of the step (a read
+            # here would stall the GPU every layer); a step that had NaN/inf is rolled back there.
             return
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(x).all()):
@@ -243,7 +240,7 @@ class Step:
             self._gw.wait_for_device(self._wire)   # bounded: reading the flags below cannot hang
         except WireError as exc:
             self._fail_after_outputs(str(exc))
-        if self._wire.nonfinite and bool(torch.stack(self._wire.nonfinite).any()):
+        if self._wire.saw_nonfinite():
             self._abort(raise_errors=True)
             raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
                                       "reach the KV cache (set nan_policy='allow' to accept them)")

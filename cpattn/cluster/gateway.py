@@ -17,6 +17,7 @@ by the next call this client makes, so a steady decode loop pays one Ray round t
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ import torch
 
 from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
-from cpattn.cluster.data_plane import CMD_ABORT, DataPlane, WireError, create_group, partial_tag
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
+from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
@@ -47,10 +49,14 @@ class StepWire:
     local: dict[int, PlannedStep]
     remote_rows: dict[int, torch.Tensor | None]
     """rank -> (R,) int64 rows on the gateway's device (None = all T); ranks with no rows are absent."""
-    nonfinite: list[torch.Tensor] = field(default_factory=list)
-    """Per attended layer on CUDA: a 0-dim bool, True if q|k|v held NaN/inf (read once, at the end)."""
+    norms: torch.Tensor | None = None
+    """(L,) float32 on a CUDA gateway with nan_policy 'reject': max |q|k|v| of each attended layer, NaN or
+    inf when they held one; read once, at the end of the step (a read per layer would stall the GPU)."""
     broken: list[torch.Tensor] = field(default_factory=list)
     """Per received partial: a 0-dim bool, True if it did not arrive whole (read once, at the end)."""
+
+    def saw_nonfinite(self) -> bool:
+        return self.norms is not None and not bool(torch.isfinite(self.norms).all())
 
 
 @dataclass
@@ -109,6 +115,7 @@ class Gateway:
         self.plane: DataPlane | None = None
         self.plane_broken = False      # a collective failed: rebuild the group before the next step
         self.local: dict[int, ShardLayerRunner] = {}
+        self.local_graphs: dict[int, DecodeGraphs | None] = {}
         self.remote: list[int] = []
         self.shards: list = []
         self.pending: PendingCommit | None = None
@@ -172,7 +179,7 @@ class Gateway:
         self._ticket = call(self.coordinator.group_ticket.remote(self.credential, self.group_name),
                             cfg.rpc_timeout_s, "group_ticket")   # proves this client's joins to the shards
         local_ranks = self._local_ranks(infos)
-        self.local = {}
+        self.local, self.local_graphs = {}, {}
         for rank in local_ranks:
             handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
                            "export_kv")
@@ -186,6 +193,7 @@ class Gateway:
                                    "run the client where the shard's GPU is visible, or set local_shards='off' "
                                    "to reach every shard over the data plane") from exc
             self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device)
+            self.local_graphs[rank] = self.local[rank].new_graphs()
         self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
         self.plane = None
         if self.remote:
@@ -225,7 +233,7 @@ class Gateway:
                 self.shards[r].leave_group.remote(old, ticket)
             except Exception:
                 pass
-        self.local = {}   # drops the IPC mappings
+        self.local, self.local_graphs = {}, {}   # drops the IPC mappings (and graphs reading them)
 
     def rejoin(self) -> None:
         """After a shard was replaced or a collective failed: drop the group and the mappings, join again."""
@@ -285,10 +293,13 @@ class Gateway:
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if "rejoin" in info:
             return None
-        local = {r: self.local[r].plan(p) for r, p in info["local_plans"].items()}
+        local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info["local_plans"].items()}
         remote_rows = {r: (None if rows is None else rows.to(self.device))
                        for r, rows in info["remote_rows"].items()}
-        info["wire"] = StepWire(info["step_id"], info["num_tokens"], local, remote_rows)
+        norms = None
+        if self.device.type == "cuda" and cfg.nan_policy == "reject":
+            norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
+        info["wire"] = StepWire(info["step_id"], info["num_tokens"], local, remote_rows, norms)
         return info
 
     def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
@@ -297,8 +308,12 @@ class Gateway:
         ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks)."""
         cfg = self.config
         q, k, v = (x.to(self.device, non_blocking=True) for x in (q_TQD, k_TKD, v_TKD))
-        if self.plane is not None:
-            self.plane.send_layer(command, layer, wire.step_id, torch.cat([q, k, v], dim=1))
+        if self.plane is not None or wire.norms is not None:
+            packed = torch.cat([q, k, v], dim=1)
+            if wire.norms is not None and command == CMD_ATTEND:
+                torch.linalg.vector_norm(packed, math.inf, dtype=torch.float32, out=wire.norms[layer])
+            if self.plane is not None:
+                self.plane.send_layer(command, layer, wire.step_id, packed)
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
         dtype, lse_dtype = cfg.torch_dtype, lse_wire_dtype(cfg.torch_dtype)
         for i, r in enumerate(self.remote):
@@ -309,6 +324,8 @@ class Gateway:
                                                            lse_dtype, self.device, partial_tag(wire.step_id, layer))
                 wire.broken.append(broken)
                 parts.append((rows, out, lse))
+        if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
+            return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
         return merge_rows(parts, wire.num_tokens, sinks_Q)
 
     def abort_wire(self, wire: StepWire) -> None:

@@ -16,6 +16,7 @@ import torch
 from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.merge_triton import merge_partials
+from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
@@ -33,6 +34,9 @@ class PlannedStep:
     pieces: torch.Tensor
     rows: torch.Tensor | None
     """(R,) int64 on the device, None = all T rows."""
+    graphs: DecodeGraphs | None = None
+    """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
+    graphs' buffers until that layer replays again."""
 
 
 def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,8 +66,14 @@ class ShardLayerRunner:
         self.builder = backend_cls.get_builder_cls()(spec)
         self.impl = backend_cls.get_impl_cls()(spec)
 
-    def plan(self, plan: ShardStepPlan) -> PlannedStep:
-        """Once per step: the backend plans, and the step's index tensors move to the device once."""
+    def new_graphs(self) -> DecodeGraphs | None:
+        """A set of decode graphs for one caller that runs one step at a time (a client's connection), or
+        None where graphs cannot serve; steps of concurrent callers must not share one set."""
+        return DecodeGraphs(self) if DecodeGraphs.supported(self) else None
+
+    def plan(self, plan: ShardStepPlan, graphs: DecodeGraphs | None = None) -> PlannedStep:
+        """Once per step: the backend plans, and the step's index tensors move to the device once; with
+        ``graphs`` (new_graphs()) a decode-only step is readied to replay them."""
         md = plan.metadata
         if self.kernel_block_size != self.config.block_size:
             # Slots are token addresses, identical under both page sizes; only the table changes.
@@ -72,7 +82,9 @@ class ShardLayerRunner:
         attn_md = self.builder.build(0, md.to(self.device))
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         rows = None if plan.rows is None else plan.rows.to(self.device)
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows)
+        if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows):
+            graphs = None
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, graphs)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +92,8 @@ class ShardLayerRunner:
 
         No host synchronisation and no Python work that grows with T: every index was planned.
         """
+        if step.graphs is not None:
+            return step.graphs.run(layer, q_TQD, k_TKD, v_TKD)
         scale = None
         if self.kv_format is not None:
             scale = self.kv_scales[layer]

@@ -19,6 +19,7 @@ import torch
 
 from cpattn.attention import get_attn_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
+from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store, partial_tag
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
@@ -88,6 +89,7 @@ class ShardWorker:
         self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales)
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
+        self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
         self._lock = threading.Lock()
         self._hang = False
         self._fence = StepFence()   # coordinator fencing: steps of an older incarnation never write (fencing.py)
@@ -245,6 +247,7 @@ class ShardWorker:
         with self._lock:
             for name in [n for n, p in self._groups.items() if p is plane]:
                 del self._groups[name]
+                self._graphs.pop(name, None)
         plane.close()
         logger.warning("shard %d: step %d of coordinator incarnation %d refused (fenced at %d)", self.bundle_index,
                        plan.step_id, plan.incarnation, self._fence.floor)
@@ -279,6 +282,8 @@ class ShardWorker:
         with self._lock:
             names = [n for n in self._groups if n.startswith(f"{client_id}-")]
             planes = [self._groups.pop(n) for n in names]
+            for name in names:
+                self._graphs.pop(name, None)
         for plane in planes:
             plane.close()
         return len(planes)
@@ -291,6 +296,7 @@ class ShardWorker:
         self._check_ticket(group_name, ticket)
         with self._lock:
             plane = self._groups.pop(group_name, None)
+            self._graphs.pop(group_name, None)
         if plane is not None:
             plane.close()
 
@@ -302,7 +308,9 @@ class ShardWorker:
         if not self._admit(plan):   # a plan of this coordinator (auth), not fenced by a restarted one
             return self._refuse_fenced(plane, plan)
         t0 = time.perf_counter()
-        planned = self.runner.plan(plan)
+        if group_name not in self._graphs:
+            self._graphs[group_name] = self.runner.new_graphs()
+        planned = self.runner.plan(plan, self._graphs[group_name])
         timings = {"plan_s": time.perf_counter() - t0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0}
         try:
             return self._serve_layers(plane, planned, timings)

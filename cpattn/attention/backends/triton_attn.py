@@ -9,6 +9,7 @@ imported only when a plan is built or availability is checked, so CPU installs i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class TritonAttentionMetadata:
     dec_kv_len: torch.Tensor
     """(Td,) int32: keys it sees."""
     num_splits: int
-    split_chunk: int
+    """S: KV splits of every decode (each token cuts its own keys into S whole tiles, on the device)."""
     # prefill part
     tiles: tuple[torch.Tensor, ...]
     """Four (num_tiles,) int32 tensors: request, first token, rows, first query index in request."""
@@ -67,8 +68,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         pre = [r for r in range(common.num_reqs) if q_lens[r] > 1]
         i32 = dict(dtype=torch.int32)
         dec_kv = [seq[r] for r in dec]
-        splits, chunk = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(dec_kv), dev)
-                         if dec and max(dec_kv) > 0 else (1, 64))
+        splits = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(dec_kv), dev)
+                  if dec and max(dec_kv) > 0 else 1)
         block_m = tk.prefill_block_sizes(self.spec.head_size)[0]
         tiles = tk.make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
         return TritonAttentionMetadata(
@@ -80,11 +81,37 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             dec_tok=torch.tensor([qsl[r] for r in dec], **i32).to(dev, non_blocking=True),
             dec_req=torch.tensor(dec, **i32).to(dev, non_blocking=True),
             dec_kv_len=torch.tensor(dec_kv, **i32).to(dev, non_blocking=True),
-            num_splits=splits, split_chunk=chunk, tiles=tiles,
+            num_splits=splits, tiles=tiles,
             req_seq=torch.tensor(seq, **i32).to(dev, non_blocking=True),
             req_qlen=torch.tensor(q_lens, **i32).to(dev, non_blocking=True),
             req_kv0=torch.zeros(common.num_reqs, **i32, device=dev),
             causal=common.causal)
+
+
+    # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
+    def graph_key(self, md: TritonAttentionMetadata) -> tuple[int, int, int] | None:
+        """(T, S, block-table width bucket) of a decode-only step, whose launches depend on nothing else;
+        None when the step cannot replay a captured graph (prefill tiles are planned per step)."""
+        if not md.decode_only or md.num_tokens == 0:
+            return None
+        width = md.block_table.shape[1]
+        return md.num_tokens, md.num_splits, max(64, 1 << (width - 1).bit_length())
+
+    def make_static(self, md: TritonAttentionMetadata, key: tuple[int, int, int]) -> TritonAttentionMetadata:
+        """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
+        t, _, width = key
+        dev = md.block_table.device
+        return dataclasses.replace(
+            md, has_writes=True, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros(t, width, dtype=torch.int64, device=dev), dec_tok=md.dec_tok.clone(),
+            dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone())
+
+    def refill(self, static: TritonAttentionMetadata, md: TritonAttentionMetadata) -> None:
+        """This step's values into the graph's buffers. Columns past the step's width keep stale page ids:
+        the kernel reads only the pages below each token's key count."""
+        static.slot_mapping.copy_(md.slot_mapping)
+        static.block_table[:, :md.block_table.shape[1]].copy_(md.block_table)
+        static.dec_kv_len.copy_(md.dec_kv_len)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -99,7 +126,7 @@ class TritonAttentionImpl(AttentionImpl):
         lse = torch.empty(t, hq, dtype=torch.float32, device=q_TQD.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         tk.paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
-                        md.num_splits, md.split_chunk, self.spec.scale, out, lse, all_rows=md.decode_only)
+                        md.num_splits, self.spec.scale, out, lse, all_rows=md.decode_only)
         tk.prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
                    md.causal, self.spec.scale, out, lse)
         return out, lse
@@ -178,7 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
     lse_base = LseBase.E
     can_return_lse = True
     supports_pcp = True
-    cudagraph_support = AttentionCGSupport.NEVER   # split count and tiles are chosen per step
+    # Decode-only steps replay per-layer graphs (lengths on the device, S and table width bucketed);
+    # prefill tiles are planned per step, so mixed steps run eagerly.
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):

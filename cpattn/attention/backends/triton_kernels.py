@@ -38,7 +38,7 @@ def _paged_decode_kernel(
     stride_btb,
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
-    scale_log2, chunk,
+    scale_log2,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
@@ -49,6 +49,9 @@ def _paged_decode_kernel(
     tok = tl.load(tok_ptr + i).to(tl.int64)
     req = tl.load(req_ptr + i).to(tl.int64)
     kv_len = tl.load(klen_ptr + i)
+    # Each token cuts its own keys into the S splits (whole tiles): lengths stay on the device, so a
+    # captured CUDA graph replays correctly as sequences grow, and short rows of a batch end early.
+    chunk = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, kv_len)
 
@@ -214,26 +217,24 @@ def _num_sms(device: torch.device) -> int:
 
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
 # length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
-DECODE_CONFIG = dict(waves=4, block_n=64, num_warps=4, num_stages=3)
+DECODE_CONFIG = dict(waves=4, block_n=64, num_warps=4, num_stages=3, min_tiles=8)
 
 
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
-                      block_n: int | None = None) -> tuple[int, int]:
-    """(S, chunk): enough (token, kv head, split) programs to fill the GPU ``waves`` times, chunks a
-    multiple of the tile length and at least 8 tiles long so each split amortizes its merge."""
+                      block_n: int | None = None) -> int:
+    """S: enough (token, kv head, split) programs to fill the GPU ``waves`` times, splits at least
+    ``min_tiles`` tiles long so each amortizes its merge; a power of two, so a decode loop's S (and
+    the CUDA graphs captured for it) changes only a few times as its sequences grow."""
     block_n = block_n or DECODE_CONFIG["block_n"]
     target = DECODE_CONFIG["waves"] * _num_sms(device)
     programs = max(1, num_tokens * num_kv_heads)
-    max_splits = max(1, -(-max_kv_len // (8 * block_n)))
+    max_splits = max(1, -(-max_kv_len // (DECODE_CONFIG["min_tiles"] * block_n)))
     splits = max(1, min(-(-target // programs), max_splits, 256))
-    chunk = -(-max_kv_len // splits)
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
-    splits = max(1, -(-max_kv_len // chunk))
-    return splits, chunk
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int, chunk: int,
+                 tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int,
                  scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False) -> None:
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
     ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
@@ -260,14 +261,14 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits == 1:
         _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
                                    0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
-                                   scale * LOG2E, chunk, DIRECT=True, **common)
+                                   scale * LOG2E, DIRECT=True, **common)
         return
     part_out = torch.empty(splits, num_tok, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, num_tok, hq, dtype=torch.float32, device=q_TQD.device)
     _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
                                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                                part_lse.stride(0), part_lse.stride(1),
-                               scale * LOG2E, chunk, DIRECT=False, **common)
+                               scale * LOG2E, DIRECT=False, **common)
     if all_rows:
         # Every token is a decode, in order: the merge writes the output in place.
         merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)

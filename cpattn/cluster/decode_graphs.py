@@ -1,0 +1,117 @@
+"""CUDA graphs of one shard's per-layer decode work: one replay instead of ~10 launches from Python.
+
+Legend: T tokens (= requests: a decode-only step), Q query heads, K kv heads, D head size, L layers.
+A decode layer on a shard is a KV write (and a replica write), the paged split-KV kernel and its split
+merge. Launched from Python these cost 20-60 us each on the host, more than the kernels themselves
+below ~256K tokens, so a decode loop was host-bound. Captured once per bucket (T, KV splits, block-table
+width rounded up to a power of two, replica or not), one graph per layer (each layer has its own cache),
+they replay from buffers at fixed addresses (invariant 8): each step copies its slots, block table and
+key counts into them, each layer its q|k|v. Lengths live on the device (the kernel cuts each token's keys
+into the splits itself), so a growing sequence replays the same graphs until its bucket changes.
+Used by the shard actor and by a client computing a shard on its own GPU (cluster.layer_runner).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from cpattn.attention import AttentionCGSupport, to_natural_lse
+from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.kvstore import kernel_kv_view
+
+logger = logging.getLogger("cpattn")
+
+
+class DecodeGraphs:
+    """Per-layer graphs of one ShardLayerRunner's decode steps; ``prepare`` once per step, ``run`` per layer."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.key: tuple | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replica: torch.Tensor | None = None
+        self.disabled = False
+
+    @staticmethod
+    def supported(runner) -> bool:
+        """Graphs need CUDA, a backend declaring decode graphs with the hooks to refill its metadata, and a
+        cache without dynamic fp8 scales (their growth is decided per step)."""
+        return (runner.config.cuda_graphs == "auto" and runner.device.type == "cuda" and runner.kv_format is None
+                and runner.backend.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+                and all(hasattr(runner.builder, h) for h in ("graph_key", "make_static", "refill")))
+
+    def prepare(self, attn_metadata, replica_slots: torch.Tensor | None, pieces: torch.Tensor,
+                rows: torch.Tensor | None) -> bool:
+        """Ready this step's graphs (capturing on a new bucket); False when the step must run eagerly."""
+        if self.disabled or pieces.numel() or rows is not None:
+            return False
+        key = self.runner.builder.graph_key(attn_metadata)
+        if key is None:
+            return False
+        key = key + (replica_slots is not None,)
+        if key != self.key:
+            try:
+                self._capture(attn_metadata, key)
+            except RuntimeError as exc:   # a kernel or op that cannot be captured here: stay eager
+                logger.warning("CUDA graphs off for this shard (%s); decode runs eagerly", exc)
+                self.disabled, self.key, self.graphs, self.outputs = True, None, [], []
+                return False
+        self.runner.builder.refill(self.static, attn_metadata)
+        if replica_slots is not None:
+            self.replica.copy_(replica_slots)
+        return True
+
+    def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
+            v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: out [T, Q, D], natural-log lse [T, Q] in the graph's buffers (overwritten when this
+        layer replays again: a caller that keeps them past the step copies them)."""
+        self.q.copy_(q_TQD)
+        self.k.copy_(k_TKD)
+        self.v.copy_(v_TKD)
+        self.graphs[layer].replay()
+        return self.outputs[layer]
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        if self.replica is not None:
+            write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica)
+        kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
+        out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static)
+        return out.to(r.dtype), to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
+
+    def _capture(self, attn_metadata, key: tuple) -> None:
+        r, cfg = self.runner, self.runner.config
+        self.graphs, self.outputs, self.key = [], [], None
+        t = key[0]
+        hq, hk = cfg.num_q_heads, cfg.num_kv_heads
+        # Buffers the graphs read; slots stay -1 (no writes) until refill puts this step's in.
+        self.static = r.builder.make_static(attn_metadata, key[:3])
+        self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
+        self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
+        self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
+        current = torch.cuda.current_stream(r.device)
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._layer(0)   # warm-up: JIT compilation and allocations happen outside the capture
+        side.synchronize()
+        gc.collect()
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(side):
+            for layer in range(cfg.num_layers):
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a shard actor's other threads (other clients' steps) keep launching meanwhile.
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    outputs = self._layer(layer)
+                finally:
+                    graph.capture_end()
+                self.graphs.append(graph)
+                self.outputs.append(outputs)
+        current.wait_stream(side)
+        self.key = key
+        logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)
