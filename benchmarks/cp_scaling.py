@@ -8,7 +8,8 @@ per step is in the row (``plan_ms_per_step``) so ms/layer at another depth can b
 The kernel column is one backend call on one GPU over the same shape (CUDA events, median).
 
     python benchmarks/cp_scaling.py [--gpus 1,2] [--layers 32] [--cases decode_1m,...] [--json PATH]
-Prints one table and writes JSON (default benchmarks/results/cp_scaling.json).
+    python benchmarks/cp_scaling.py --smoke     # tiny shapes on the CPU (TORCH, gloo): the test suite runs it
+Prints one table and writes JSON (default benchmarks/results/cp_scaling.json); exits non-zero on any error.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 HQ, HK, D, BLOCK = 32, 8, 128, 16
 KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 2   # K and V, bf16
+DEVICE, DTYPE = "cuda", torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,20 @@ CASES = {
 }
 DEFAULT_CASES = ("decode_128k", "decode_512k", "decode_1m", "decode_b64_32k", "prefill_32k", "prefill_128k",
                  "chunked_8k_on_512k")
+# --smoke: every code path of a real run (fill, decode, batched decode, prefill split across shards, chunked
+# prefill, 1 and 2 shards, the kernel column) on tiny shapes on the CPU, in seconds.
+SMOKE_CASES = {
+    "decode_smoke": Case("decode_smoke", 1, 300, 1, "TORCH"),
+    "decode_b4_smoke": Case("decode_b4_smoke", 4, 70, 1, "TORCH"),
+    "prefill_smoke": Case("prefill_smoke", 1, 0, 96, "TORCH"),
+    "chunked_smoke": Case("chunked_smoke", 1, 200, 40, "TORCH"),
+}
+
+
+def use_smoke_shapes() -> None:
+    global HQ, HK, D, BLOCK, KV_BYTES_PER_TOKEN_LAYER, DEVICE, DTYPE
+    HQ, HK, D, BLOCK, DEVICE, DTYPE = 4, 2, 16, 16, "cpu", torch.float32
+    KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 4
 
 
 def usable_backend(name: str) -> str:
@@ -60,11 +76,11 @@ def usable_backend(name: str) -> str:
     from cpattn.errors import BackendUnavailableError
 
     try:
-        get_attn_backend(name, head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ, num_kv_heads=HK,
-                         device="cuda")
+        get_attn_backend(name, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ, num_kv_heads=HK,
+                         device=DEVICE)
         return name
     except BackendUnavailableError:
-        return "TRITON"
+        return "TRITON" if DEVICE == "cuda" else "TORCH"
 
 
 def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float) -> int:
@@ -82,29 +98,35 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
     """One backend call on cuda:0 over the whole (unsharded) batch: causal, context + new tokens."""
     from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
-    cls = get_attn_backend(backend, head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ,
-                           num_kv_heads=HK, device="cuda")
-    spec = AttentionSpec(HQ, HK, D, torch.bfloat16, BLOCK, "cuda")
+    cls = get_attn_backend(backend, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ,
+                           num_kv_heads=HK, device=DEVICE)
+    spec = AttentionSpec(HQ, HK, D, DTYPE, BLOCK, DEVICE)
     pages = -(-(case.context + case.new) // BLOCK)
-    cache = torch.randn(cls.get_kv_cache_shape(case.batch * pages, BLOCK, HK, D), device="cuda",
-                        dtype=torch.bfloat16)
+    cache = torch.randn(cls.get_kv_cache_shape(case.batch * pages, BLOCK, HK, D), device=DEVICE, dtype=DTYPE)
     table = torch.randperm(case.batch * pages).view(case.batch, pages)
     md = cls.get_builder_cls()(spec).build(0, make_causal_metadata([case.new] * case.batch, [case.context] * case.batch,
-                                                                     table, BLOCK).to("cuda"))
+                                                                     table, BLOCK).to(DEVICE))
     impl = cls.get_impl_cls()(spec)
     t = case.batch * case.new
-    q, k, v = (torch.randn(t, h, D, device="cuda", dtype=torch.bfloat16) for h in (HQ, HK, HK))
+    q, k, v = (torch.randn(t, h, D, device=DEVICE, dtype=DTYPE) for h in (HQ, HK, HK))
     times = []
     for i in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        impl.forward(0, q, k, v, cache, md)
-        end.record()
-        end.synchronize()
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            impl.forward(0, q, k, v, cache, md)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            impl.forward(0, q, k, v, cache, md)
+            elapsed = 1e3 * (time.perf_counter() - t0)
         if i >= 2:
-            times.append(start.elapsed_time(end))
+            times.append(elapsed)
     del cache
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return statistics.median(times)
 
 
@@ -118,11 +140,15 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
         backend = usable_backend(case.backend)
         tokens_per_shard = -(-case.batch * (case.context + case.new * (repeats + 2)) // gpus)
         blocks = tokens_per_shard // BLOCK + 2 * case.batch + 16
+        gpu = DEVICE == "cuda"
         cfg = cpattn.ServiceConfig(num_shards=gpus, num_layers=layers, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
-                                   block_size=BLOCK, dtype="bfloat16", backend=backend, device="cuda",
-                                   num_gpus_per_shard=1, num_cpus_per_shard=1, num_blocks_per_shard=blocks,
+                                   block_size=BLOCK, dtype=str(DTYPE).removeprefix("torch."), backend=backend,
+                                   device=DEVICE, num_gpus_per_shard=1 if gpu else 0,
+                                   num_cpus_per_shard=1 if gpu else 0.25, num_blocks_per_shard=blocks,
                                    name=f"cp-scaling-{gpus}", rpc_timeout_s=600, collective_timeout_s=600,
-                                   shard_hang_timeout_s=600)
+                                   shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
+                                   # one step of the case, whatever its size (the default caps steps at 16K)
+                                   max_tokens_per_step=max(16384, case.batch * case.new))
         svc = cpattn.start(cfg)
         try:
             rows.append(_measure(svc, case, gpus, layers, repeats, backend))
@@ -134,7 +160,8 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
 
 def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str) -> dict:
     t = case.batch * case.new
-    q, k, v = (torch.randn(t, h, D, device="cuda", dtype=torch.bfloat16) for h in (HQ, HK, HK))
+    q, k, v = (torch.randn(t, h, D, device=DEVICE, dtype=DTYPE) for h in (HQ, HK, HK))
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
     seqs = []
     if case.context:
         seqs = [svc.add_sequence() for _ in range(case.batch)]
@@ -144,12 +171,12 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
     for rep in range(repeats + 2):          # two warm-up steps: kernel JIT, NCCL communicators
         if not case.context:
             seqs = [svc.add_sequence() for _ in range(case.batch)]
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with svc.step({s: case.new for s in seqs}) as step:
             for layer in range(layers):
                 step.attend(layer, q, k, v)
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
         if rep >= 2:
             walls.append(wall)
@@ -183,13 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kv-budget-gb", type=float, default=96.0, help="KV per GPU for the layers of one service")
     parser.add_argument("--json", default="benchmarks/results/cp_scaling.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU (TORCH backend, gloo), 1 and 2 shards, 2 layers: checks that "
+                             "every path of the benchmark still runs (the test suite runs it)")
     args = parser.parse_args(argv)
     import ray
 
+    if args.smoke:
+        use_smoke_shapes()
+        CASES.update(SMOKE_CASES)
+        args.cases, args.layers, args.repeats = ",".join(SMOKE_CASES), min(args.layers, 2), 1
     cases = [CASES[c] for c in args.cases.split(",")]
-    meta = {"date": date.today().isoformat(), "machine": platform.node(), "gpu": torch.cuda.get_device_name(),
-            "num_gpus": torch.cuda.device_count(), "torch": torch.__version__, "ray": ray.__version__,
-            "heads": [HQ, HK, D], "dtype": "bfloat16", "block_size": BLOCK}
+    gpu = DEVICE == "cuda"
+    meta = {"date": date.today().isoformat(), "machine": platform.node(),
+            "gpu": torch.cuda.get_device_name() if gpu else "none (cpu)", "num_gpus": torch.cuda.device_count(),
+            "torch": torch.__version__, "ray": ray.__version__, "heads": [HQ, HK, D],
+            "dtype": str(DTYPE).removeprefix("torch."), "block_size": BLOCK}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The decode path on the device machine, after staging fa4 + ray (see ../shared/device/README.md):
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh tests   # kernels, decode graphs, service and data plane on GPU
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh sweep   # TRITON decode launch configurations
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh bench   # benchmarks/cp_scaling.py (GPUS=1,2 CASES=...)
+set -u
+source /tmp/site/env.sh
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+case "${1:-tests}" in
+  tests)
+    timeout "${LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs \
+      tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_backends_gpu.py tests/gpu/test_data_plane_gpu.py \
+      tests/gpu/test_service_gpu.py -k "not FLASHINFER" ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest_decode_gpu.log" \
+      | grep -v -E "WARNING|NumPy|^\s*$" | tail -30
+    echo "tests $(( $(date +%s) - T0 ))s" ;;
+  sweep)
+    timeout "${LIMIT:-300}" python3 benchmarks/decode_sweep.py --json "$OUT/decode_sweep.json" 2>&1 \
+      | tee "$OUT/decode_sweep.log" | grep -E "^best|error" | tail -20
+    echo "sweep $(( $(date +%s) - T0 ))s" ;;
+  bench)
+    timeout "${LIMIT:-560}" python3 benchmarks/cp_scaling.py --gpus "${GPUS:-1,2}" --layers "${LAYERS:-32}" \
+      --repeats "${REPEATS:-5}" ${CASES:+--cases "$CASES"} --json "$OUT/cp_scaling.json" 2>&1 \
+      | tee "$OUT/cp_scaling.log" | grep -v -E "WARNING|NumPy|token|^\s*$" | tail -40
+    echo "bench $(( $(date +%s) - T0 ))s" ;;
+esac

@@ -1,0 +1,26 @@
+"""The benchmarks run as printed: ``cp_scaling.py --smoke`` end to end on the CPU, so a change that breaks
+the benchmark (as max_tokens_per_step once did) fails the suite instead of the next GPU session."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cp_scaling_smoke_runs_every_case(tmp_path):
+    out = tmp_path / "cp_scaling.json"
+    proc = subprocess.run([sys.executable, "benchmarks/cp_scaling.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["case"], r["gpus"]) for r in rows}
+    cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke"}
+    assert got == {(c, g) for c in cases for g in (1, 2)}
+    for r in rows:
+        assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
+        assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
