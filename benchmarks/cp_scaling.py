@@ -189,6 +189,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
     return {"case": case.name, "gpus": gpus, "batch": case.batch, "context": case.context, "new": case.new,
             "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
             "data_plane": gw.plane.backend if gw.plane else "none",
+            "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
             "plan_ms_per_step": 1e3 * statistics.median(plans)}
 

@@ -1,6 +1,6 @@
 """Where a decode step's host time goes: cProfile of whole steps through the public API on one GPU.
 
-    python benchmarks/profile_layer.py [--context 131072] [--layers 32] [--gpus 1] [--top 30]
+    python benchmarks/profile_layer.py [--context 131072] [--batch 1] [--layers 32] [--gpus 1] [--top 30]
 Prints the functions with the most own time over ``--steps`` profiled steps (after warm-up).
 """
 
@@ -17,6 +17,7 @@ import torch
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
@@ -27,26 +28,28 @@ def main() -> int:
     hq, hk, d = 32, 8, 128
     cfg = cpattn.ServiceConfig(num_shards=args.gpus, num_layers=args.layers, num_q_heads=hq, num_kv_heads=hk,
                                head_size=d, block_size=16, dtype="bfloat16", backend="TRITON", device="cuda",
-                               num_gpus_per_shard=1, num_blocks_per_shard=args.context // 16 // args.gpus + 64,
+                               num_gpus_per_shard=1, num_blocks_per_shard=args.batch * (args.context // 16 // args.gpus + 64),
                                name="profile-layer")
     svc = cpattn.start(cfg)
     try:
-        sid = svc.add_sequence()
-        svc.fill_synthetic(sid, args.context)
-        q, k, v = (torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+        sids = [svc.add_sequence() for _ in range(args.batch)]
+        for i, sid in enumerate(sids):
+            svc.fill_synthetic(sid, args.context, seed=i)
+        q, k, v = (torch.randn(args.batch, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
 
         def steps(n: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n):
-                with svc.step({sid: 1}) as step:
+                with svc.step({sid: 1 for sid in sids}) as step:
                     for layer in range(args.layers):
                         step.attend(layer, q, k, v)
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / n / args.layers * 1e3
 
         steps(3)
-        print(f"unprofiled: {steps(args.steps):.3f} ms/layer at context {args.context} on {args.gpus} GPU(s)")
+        print(f"unprofiled: {steps(args.steps):.3f} ms/layer at context {args.context} x {args.batch} on {args.gpus} "
+              f"GPU(s); graph buckets: {[g.key for g in svc.gateway.local_graphs.values() if g is not None]}")
         prof = cProfile.Profile()
         prof.enable()
         steps(args.steps)

@@ -217,7 +217,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
 # length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
-DECODE_CONFIG = dict(waves=4, block_n=64, num_warps=4, num_stages=3, min_tiles=8)
+DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8)
 
 
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
