@@ -144,7 +144,7 @@ def _guarded(impl_cls: type, method: str, rule: Rule):
 
 # Group tickets -------------------------------------------------------------------------------------
 # ``client_id|issued_at|HMAC(secret, group|client_id|issued_at)``: a shard checks it without asking the
-# coordinator. A ticket admits one join of its group (the shard remembers group names it admitted), within
+# coordinator. A ticket admits one join (the shard remembers the tickets it admitted), within
 # ``ttl_s`` of its issue (client_lease_s: a ticket never outlives the lease it was issued under), and never
 # after its client ended (the coordinator tells every shard when, in drop_client).
 

@@ -93,7 +93,7 @@ class ShardWorker:
         self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales)
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
-        self._admitted: dict[str, float] = {}   # group name -> when its ticket expires (a ticket joins once)
+        self._admitted: dict[str, float] = {}   # ticket -> when it expires (a ticket joins once)
         self._ended: dict[str, float] = {}      # client id -> when it ended (its older tickets are void)
         self._joining: dict[str, int] = {}      # client id -> joins whose handshake is still running
         self._lock = threading.Lock()
@@ -276,7 +276,7 @@ class ShardWorker:
         t = authority.read_ticket(self._secret, group_name, ticket)
         now, ttl = time.time(), self.config.client_lease_s
         # Forget what can no longer matter: tickets older than ttl are refused as expired anyway.
-        self._admitted = {g: exp for g, exp in self._admitted.items() if exp >= now}
+        self._admitted = {k: exp for k, exp in self._admitted.items() if exp >= now}
         self._ended = {c: at for c, at in self._ended.items() if at >= now - 2 * ttl}
         if now > t.issued_at + ttl:
             raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket expired "
@@ -294,7 +294,7 @@ class ShardWorker:
         with self._lock:
             t = self._live_ticket(group_name, ticket)
             client = t.client_id if t is not None else group_name
-            if group_name in self._admitted or group_name in self._groups:
+            if ticket in self._admitted or group_name in self._groups:
                 raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket was "
                                         "already used (a ticket admits one join): rejoin under a new group name")
             if self._joining.get(client, 0) >= MAX_JOINS_PER_CLIENT or sum(self._joining.values()) >= MAX_JOINS_IN_FLIGHT:
@@ -303,7 +303,7 @@ class ShardWorker:
                                     f"{MAX_JOINS_PER_CLIENT} per client, {MAX_JOINS_IN_FLIGHT} in all): finish or "
                                     "abandon those first, then retry", shard=self.bundle_index)
             if t is not None:
-                self._admitted[group_name] = t.issued_at + self.config.client_lease_s
+                self._admitted[ticket] = t.issued_at + self.config.client_lease_s
             self._joining[client] = self._joining.get(client, 0) + 1
         outcome: dict = {}
         done = threading.Event()
