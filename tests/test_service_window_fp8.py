@@ -45,7 +45,6 @@ def test_window_softcap_sinks_through_the_service(start_service):
             step.attend(0, *oracle.random_qkv(1))
             raise KeyError("caller")
     assert svc.sequence_length(a) == 31
-    assert run_step(svc, oracle, {a: 1}) <= 1e-10
 
 
 def test_fp8_cache_through_the_service(start_service):
