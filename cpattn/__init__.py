@@ -5,8 +5,8 @@ service load on first use of start/connect.
 """
 
 from cpattn.config import ServiceConfig, load_config
-from cpattn.errors import (BackendUnavailableError, CapacityError, CpattnError, InvalidRequestError,
-                           ShardLostError, StepFencedError)
+from cpattn.errors import (AccessDeniedError, BackendUnavailableError, CapacityError, CpattnError,
+                           IncompleteStepError, InvalidRequestError, ShardLostError, StepFencedError)
 
 __version__ = "0.1.0"
 
@@ -22,13 +22,14 @@ def start(config: ServiceConfig | None = None, **fields):
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None, timeout_s: float = 60.0,
-            on_lapse: str = "free", credential: str | None = None):
+            on_lapse: str = "free", credential: str | None = None, operator_credential: str | None = None):
     """Attach to a running service by the name of its coordinator actor (on_lapse: see client.connect)."""
     from cpattn.client import connect as _connect
 
     return _connect(name=name, namespace=namespace, address=address, timeout_s=timeout_s, on_lapse=on_lapse,
-                    credential=credential)
+                    credential=credential, operator_credential=operator_credential)
 
 
-__all__ = ["ServiceConfig", "load_config", "start", "connect", "CpattnError", "BackendUnavailableError",
+__all__ = ["ServiceConfig", "load_config", "start", "connect", "CpattnError", "AccessDeniedError", "BackendUnavailableError",
+           "IncompleteStepError",
            "CapacityError", "InvalidRequestError", "ShardLostError", "StepFencedError", "__version__"]

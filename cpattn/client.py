@@ -12,50 +12,56 @@ from typing import Any
 
 import ray
 
+from cpattn.cluster.authority import new_operator_credential
 from cpattn.cluster.gateway import Gateway
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, InvalidRequestError, ShardLostError
+from cpattn.errors import AccessDeniedError, CpattnError, InvalidRequestError, ShardLostError
 from cpattn.step import Step
 
 logger = logging.getLogger("cpattn")
 
 
 def start(config: ServiceConfig) -> "Service":
-    """Start a service (a local embedded Ray instance unless ``config.ray_address``) and return its client."""
+    """Start a service (a local embedded Ray instance unless ``config.ray_address``) and return its client,
+    which holds the service's operator credential (``Service.operator_credential``)."""
     started_ray = ensure_ray(config.ray_address, config.namespace,
                              num_cpus_hint=config.num_shards * config.num_cpus_per_shard)
+    operator_credential = new_operator_credential()
     try:
-        coordinator = launch_coordinator(config)
+        coordinator = launch_coordinator(config, operator_credential)
     except BaseException:
         if started_ray:
             ray.shutdown()
         raise
     try:
-        return Service(coordinator, config, owns_service=True, owns_ray=started_ray)
+        return Service(coordinator, config, owns_service=True, owns_ray=started_ray,
+                       operator_credential=operator_credential)
     except BaseException:
-        stop_coordinator(coordinator, config.rpc_timeout_s)
+        stop_coordinator(coordinator, config.rpc_timeout_s, operator_credential=operator_credential)
         if started_ray:
             ray.shutdown()
         raise
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,
-            timeout_s: float = 60.0, on_lapse: str = "free", credential: str | None = None) -> "Service":
+            timeout_s: float = 60.0, on_lapse: str = "free", credential: str | None = None,
+            operator_credential: str | None = None) -> "Service":
     """Attach to a running service; ``address`` defaults to the current Ray cluster ('auto').
 
     ``on_lapse``: what happens to this client's sequences if it dies without close() (its lease lapses after
     client_lease_s): "free" (default) or "keep". close() always keeps them. ``credential``: the
     ``Service.credential`` of a client that ended with sequences kept resumes that client (and its sequences).
+    ``operator_credential``: the service's (printed by `cpattn serve`), for ``shutdown()`` and ``stats(admin=True)``.
     """
     started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
     coordinator = find_coordinator(name, namespace)
-    described = _call(coordinator.describe.remote(), timeout_s, "coordinator.describe")
-    config = ServiceConfig(**described["config"])
+    registered = _call(coordinator.register_client.remote(on_lapse, credential), timeout_s, "register_client")
+    config = ServiceConfig(**registered["config"])
     return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse,
-                   credential=credential)
+                   credential=credential, operator_credential=operator_credential, registered=registered)
 
 
 class Service:
@@ -64,12 +70,16 @@ class Service:
     ``cpattn.connect()``."""
 
     def __init__(self, coordinator, config: ServiceConfig, owns_service: bool, owns_ray: bool,
-                 on_lapse: str = "free", credential: str | None = None):
+                 on_lapse: str = "free", credential: str | None = None, operator_credential: str | None = None,
+                 registered: dict | None = None):
         self.config = config
         self._owns_service = owns_service
         self._owns_ray = owns_ray
         self._closed = False
-        self.gateway = Gateway(coordinator, config, on_lapse, credential)
+        self.operator_credential = operator_credential
+        """The service's operator credential when this process started it (or passed it to connect()): stops the
+        service and reads admin stats. Never share it."""
+        self.gateway = Gateway(coordinator, config, on_lapse, credential, registered)
         self.client_id: str = self.gateway.client_id
         self.shard_infos: list[dict] = self.info()["shards"]
 
@@ -119,12 +129,17 @@ class Service:
     # Introspection and lifecycle -----------------------------------------------------------------
     def stats(self, admin: bool = False) -> dict[str, Any]:
         """Usage: ``clients`` lists this client only, others are counted in ``other_clients``; ``admin=True``
-        lists every client by its public id (an operator's view)."""
-        return self.gateway.call("stats", admin)
+        lists every client by its public id (an operator's view: needs ``operator_credential``)."""
+        if not admin:
+            return self.gateway.call("stats", admin)
+        self.gateway.flush()
+        return _call(self.gateway.coordinator.stats.remote(self.operator_credential, True), self.config.rpc_timeout_s,
+                     "stats")
 
     def info(self) -> dict[str, Any]:
         self.gateway.flush()
-        return _call(self.gateway.coordinator.describe.remote(), self.config.rpc_timeout_s, "describe")
+        return _call(self.gateway.coordinator.describe.remote(self.gateway.credential), self.config.rpc_timeout_s,
+                     "describe")
 
     def close(self) -> None:
         """Leave the service running; drop this client's data-plane group (after its last commit)."""
@@ -136,7 +151,12 @@ class Service:
             ray.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the whole service (shards, placement group, coordinator); leaves nothing running."""
+        """Stop the whole service (shards, placement group, coordinator); leaves nothing running. The operator
+        only: a client without ``operator_credential`` is refused (AccessDeniedError) and stays connected."""
+        if self.operator_credential is None:
+            raise AccessDeniedError("shutdown() stops the whole service: only the operator may (this client was not "
+                                    "started by cpattn.start; pass operator_credential= to connect(), or use "
+                                    "`cpattn stop`), close() ends just this client")
         was_closed = self._closed
         self._closed = True
         if not was_closed:
@@ -146,7 +166,7 @@ class Service:
                 logger.warning("shutting down: %s", exc)
         self.gateway.lease.stop()
         self.gateway.leave()
-        stop_coordinator(self.gateway.coordinator, self.config.rpc_timeout_s, self.config)
+        stop_coordinator(self.gateway.coordinator, self.config.rpc_timeout_s, self.config, self.operator_credential)
         if self._owns_ray and ray.is_initialized() and not was_closed:
             ray.shutdown()
 

@@ -6,6 +6,7 @@ Every invalid value is rejected with the field, the value and the fix, e.g.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,25 @@ from cpattn.errors import ConfigError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BACKENDS = ("auto", "TORCH", "FLASHINFER", "FLASH_ATTN", "TRITON")
+
+# Longest timeout or interval accepted (one day): beyond it, timedelta, Event.wait and Ray's millisecond
+# timeouts overflow, and a value that large is a mistake (inf used to fail with OverflowError after 13 s).
+MAX_SECONDS = 86400.0
+# A window wider than this is no window (int32 kernel arguments): use None for full attention.
+MAX_SLIDING_WINDOW = 2**31 - 1
+# The coordinator's bookkeeping: 8 bytes per KV page per shard (block_pool), 16 per sequence row per shard
+# (block_table); a config implying more than this would exhaust the coordinator's process before it served.
+COORDINATOR_BOOKKEEPING_BYTES = 4 * 2**30
+BYTES_PER_BLOCK_ENTRY = 8
+BYTES_PER_ROW_ENTRY = 16
+# KV one shard may be asked to hold: more than any single device or host has (a larger value fails deep in
+# a shard's constructor as an opaque ActorDiedError).
+MAX_KV_BYTES_PER_SHARD = 4 * 2**40
+
+
+def _seconds(default: float, doc_gt: float = 0):
+    """A finite, positive duration of at most MAX_SECONDS."""
+    return Field(default, gt=doc_gt, le=MAX_SECONDS, allow_inf_nan=False)
 
 
 class ServiceConfig(BaseModel):
@@ -48,9 +68,9 @@ class ServiceConfig(BaseModel):
     """Most live sequences the service holds at once."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where shards keep KV and compute: auto takes cuda when GPUs are assigned, else cpu."""
-    num_cpus_per_shard: float = Field(1.0, ge=0)
+    num_cpus_per_shard: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Ray CPU resources reserved per shard bundle."""
-    num_gpus_per_shard: float = Field(0.0, ge=0)
+    num_gpus_per_shard: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Ray GPU resources per shard (0.25 lets four shards share one GPU)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement group strategy for the shard bundles (SPREAD for multi-node)."""
@@ -88,20 +108,26 @@ class ServiceConfig(BaseModel):
     """Keep the service alive after the starting process exits (cpattn serve)."""
     ray_address: str | None = None
     """Ray cluster to join (e.g. 'auto' or 'ray://host:10001'); None starts a local embedded Ray."""
-    rpc_timeout_s: float = Field(60.0, gt=0)
+    rpc_timeout_s: float = _seconds(60.0)
     """Timeout of every blocking Ray call."""
-    collective_timeout_s: float = Field(120.0, gt=0)
+    collective_timeout_s: float = _seconds(120.0)
     """Timeout of data-plane collectives; a hung shard surfaces as an error after this."""
-    start_timeout_s: float = Field(300.0, gt=0)
+    start_timeout_s: float = _seconds(300.0)
     """Time allowed for shards to be placed and start."""
-    health_check_interval_s: float = Field(1.0, gt=0)
+    health_check_interval_s: float = _seconds(1.0)
     """How often the coordinator checks that shards are alive (replica failover)."""
-    shard_hang_timeout_s: float = Field(30.0, gt=0)
+    shard_hang_timeout_s: float = _seconds(30.0)
     """A live shard that does not answer a ping for this long is declared hung and replaced. Keep it above
     the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
+    join_timeout_s: float = _seconds(20.0)
+    """A shard gives up on a data-plane join whose handshake (the client's rendezvous) has not finished within
+    this, freeing its thread; a client joins at most two groups at once per shard (shard.MAX_JOINS_PER_CLIENT)."""
+    test_hooks: bool = False
+    """Serve test-only remote methods (shard.simulate_hang, which makes a shard look hung). Only the test suite
+    sets it; off, those methods refuse every caller."""
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
-    client_lease_s: float = Field(30.0, gt=0)
+    client_lease_s: float = _seconds(30.0)
     """A client that makes no call and sends no heartbeat (every client_lease_s / 3) for this long has ended:
     its open step is rolled back, its data-plane groups dropped, its sequences freed (kept with
     ``connect(on_lapse="keep")``). close() ends a client too, keeping its sequences."""
@@ -156,11 +182,14 @@ class ServiceConfig(BaseModel):
                 raise ValueError(f"{name} has {len(value)} entries for {self.num_layers} layers: give one per "
                                  "layer (None for a layer without it) or a single value for every layer")
         for layer, w in enumerate(self.layer_windows()):
-            if w is not None and w < 1:
-                raise ValueError(f"sliding_window {w} of layer {layer} must be >= 1 (None disables the window)")
+            if w is not None and not 1 <= w <= MAX_SLIDING_WINDOW:
+                raise ValueError(f"sliding_window {w} of layer {layer} must be in 1..{MAX_SLIDING_WINDOW} (None "
+                                 "disables the window: full attention)")
         for layer, cap in enumerate(self.layer_soft_caps()):
-            if cap is not None and not cap > 0:
-                raise ValueError(f"logits_soft_cap {cap} of layer {layer} must be > 0 (None disables the cap)")
+            if cap is not None and not (cap > 0 and math.isfinite(cap)):
+                raise ValueError(f"logits_soft_cap {cap} of layer {layer} must be finite and > 0 (None disables "
+                                 "the cap)")
+        self._check_sizes()
         if self.kv_scales is not None:
             if self.kv_cache_dtype == "auto":
                 raise ValueError("kv_scales are fp8 scales: set kv_cache_dtype to fp8_e4m3 or fp8_e5m2, "
@@ -177,6 +206,26 @@ class ServiceConfig(BaseModel):
                 f"kv_replicas {self.kv_replicas} needs at least as many shards, num_shards is {self.num_shards}: "
                 "raise num_shards or set kv_replicas 1")
         return self
+
+    def _check_sizes(self) -> None:
+        """What num_blocks_per_shard, kv_cache_bytes_per_shard and max_sequences imply in memory."""
+        blocks = self.blocks_per_shard()
+        kv_bytes = blocks * self.bytes_per_block()
+        if kv_bytes > MAX_KV_BYTES_PER_SHARD:
+            raise ValueError(
+                f"num_blocks_per_shard {blocks} means {kv_bytes / 2**30:.4g} GiB of KV cache per shard "
+                f"({self.bytes_per_block()} bytes per block), more than any device holds (at most "
+                f"{MAX_KV_BYTES_PER_SHARD // 2**40} TiB): lower num_blocks_per_shard or kv_cache_bytes_per_shard")
+        block_bytes = self.num_shards * blocks * BYTES_PER_BLOCK_ENTRY
+        row_bytes = self.num_shards * self.max_sequences * self.kv_replicas * BYTES_PER_ROW_ENTRY
+        if block_bytes + row_bytes > COORDINATOR_BOOKKEEPING_BYTES:
+            field = "num_blocks_per_shard" if block_bytes >= row_bytes else "max_sequences"
+            value = blocks if field == "num_blocks_per_shard" else self.max_sequences
+            raise ValueError(
+                f"{field} {value} over {self.num_shards} shards needs {(block_bytes + row_bytes) / 2**30:.4g} GiB of "
+                f"bookkeeping in the coordinator ({BYTES_PER_BLOCK_ENTRY} bytes per block and "
+                f"{BYTES_PER_ROW_ENTRY} per sequence slot, per shard), more than the "
+                f"{COORDINATOR_BOOKKEEPING_BYTES // 2**30} GiB it may use: lower {field}")
 
     # Derived values -------------------------------------------------------------------------------
     @property
@@ -255,6 +304,8 @@ def _describe(exc: ValidationError) -> str:
     for err in exc.errors():
         field = ".".join(str(p) for p in err.get("loc", ())) or "config"
         msg = err.get("msg", "").removeprefix("Value error, ")
+        if err.get("type") == "finite_number":
+            msg += " (inf and nan cannot work here): give a finite value"
         value = err.get("input")
         if err.get("type") == "extra_forbidden":
             valid = ", ".join(ServiceConfig.model_fields)

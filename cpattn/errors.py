@@ -19,6 +19,24 @@ class InvalidRequestError(CpattnError, ValueError):
     """A request was rejected before anything was written (shape, dtype, sequence id, layer ...)."""
 
 
+class AccessDeniedError(InvalidRequestError):
+    """The caller lacks the proof this remote method needs (a client credential, the operator credential, a
+    group ticket, or the service's own secret); nothing changed. README "Security" lists who may call what."""
+
+
+class IncompleteStepError(InvalidRequestError):
+    """A step's ``with`` block ended normally with layers never attended: it was rolled back (none of its
+    tokens were committed); ``missing`` lists those layers."""
+
+    def __init__(self, message: str, missing: list[int] | None = None):
+        super().__init__(message, missing)
+        self.message = message
+        self.missing: list[int] = list(missing or [])
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class BackendUnavailableError(CpattnError):
     """No attention backend can serve the configuration; ``reasons`` maps backend name -> reasons."""
 

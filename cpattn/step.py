@@ -17,7 +17,7 @@ import torch
 
 from cpattn.cluster.data_plane import CMD_ATTEND, WireError
 from cpattn.cluster.rpc import call as _call
-from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
+from cpattn.errors import CpattnError, IncompleteStepError, InvalidRequestError, ServiceError
 
 if TYPE_CHECKING:
     from cpattn.cluster.gateway import Gateway, PendingCommit, StepWire
@@ -213,6 +213,10 @@ class Step:
         if sinks is None:
             return None
         hq = self._gw.config.num_q_heads
+        if isinstance(sinks, torch.Tensor) and sinks.layout != torch.strided:   # torch.isfinite would raise untyped
+            raise InvalidRequestError(f"sinks is a {sinks.layout} tensor: pass a dense one (sinks.to_dense())")
+        if isinstance(sinks, torch.Tensor) and sinks.device.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"sinks is on {sinks.device}: sinks must be a CPU or CUDA tensor")
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
             shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise InvalidRequestError(f"sinks must be a tensor [num_q_heads={hq}] of sink logits, got {shape}")
@@ -230,12 +234,16 @@ class Step:
         if self._state != "open":
             return
         cfg = self._gw.config
-        if exc_type is not None or len(self._attended) != cfg.num_layers:
-            if exc_type is None:
-                logger.warning("step %s rolled back: %d of %d layers attended (a step commits only when every "
-                               "layer was)", self._info["step_id"], len(self._attended), cfg.num_layers)
-            self._abort(raise_errors=exc_type is None)
+        if exc_type is not None:   # the caller's error is the one to see: roll back silently
+            self._abort(raise_errors=False)
             return
+        if len(self._attended) != cfg.num_layers:
+            missing = sorted(set(range(cfg.num_layers)) - self._attended)
+            self._abort(raise_errors=True)
+            raise IncompleteStepError(
+                f"step {self._info['step_id']} ended with layers {missing} never attended ({len(self._attended)} of "
+                f"{cfg.num_layers}): it was rolled back and none of its tokens were committed; call step.attend() for "
+                "every layer inside the `with` block, then run the step again", missing)
         try:
             self._gw.wait_for_device(self._wire)   # bounded: reading the flags below cannot hang
         except WireError as exc:

@@ -30,7 +30,7 @@ def service_config(**overrides):
 
     base = dict(num_shards=3, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
                 dtype="float64", num_blocks_per_shard=64, pcp_min_tokens=6, dcp_interleave=1,
-                num_cpus_per_shard=0.25, rpc_timeout_s=30.0, collective_timeout_s=30.0)
+                num_cpus_per_shard=0.25, rpc_timeout_s=30.0, collective_timeout_s=30.0, test_hooks=True)
     base.update(overrides)
     base.setdefault("name", unique_name("svc-test"))
     return cpattn.ServiceConfig(**base)

@@ -15,11 +15,17 @@ RPC_S = 60.0   # generous: other agents load the 2-core machine while these test
 
 def current_shards(svc) -> list:
     """The coordinator's shard handles now (svc.gateway.shards goes stale until the client rejoins)."""
-    return ray.get(svc.gateway.coordinator.get_shards.remote(), timeout=RPC_S)["shards"]
+    return ray.get(svc.gateway.coordinator.get_shards.remote(svc.credential), timeout=RPC_S)["shards"]
 
 
 def kv_checksums(svc) -> list[float]:
-    return ray.get([h.kv_checksum.remote() for h in current_shards(svc)], timeout=RPC_S)
+    """Every shard's KV fingerprint: the operator's view (``svc`` started the service)."""
+    return ray.get([h.kv_checksum.remote(svc.operator_credential) for h in current_shards(svc)], timeout=RPC_S)
+
+
+def simulate_hang(svc, rank: int, hang: bool = True) -> None:
+    """The test hook (services of the test suite start with test_hooks=True), as the operator."""
+    ray.get(current_shards(svc)[rank].simulate_hang.remote(svc.operator_credential, hang), timeout=RPC_S)
 
 
 def snapshot(svc, clients=(), with_kv: bool = True) -> dict:
@@ -52,7 +58,7 @@ def kill_shard(svc, rank: int, wait_dead: bool = True) -> None:
     if wait_dead:
         def dead() -> bool:
             try:
-                ray.get(handle.ping.remote(), timeout=RPC_S)
+                ray.get(handle.ping.remote(svc.operator_credential), timeout=RPC_S)
                 return False
             except ray.exceptions.RayActorError:
                 return True

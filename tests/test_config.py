@@ -114,3 +114,52 @@ def test_errors_pickle_across_actors(err):
     assert type(back) is type(err) and str(back) == str(err)
     assert vars(back) == vars(err)
     assert isinstance(back, CpattnError)
+
+
+# Issue 20: configs that cannot work (each used to start and then fail, hang or exhaust memory).
+UNWORKABLE = [
+    (dict(logits_soft_cap=float("inf")), r"logits_soft_cap inf of layer 0 must be finite and > 0"),
+    (dict(logits_soft_cap=[None, float("nan")], num_layers=2), r"logits_soft_cap nan of layer 1 must be finite"),
+    (dict(health_check_interval_s=float("inf")), r"health_check_interval_s=inf: .*finite"),
+    (dict(sliding_window=2**70), r"sliding_window 1180591620717411303424 of layer 0 must be in 1\.\.2147483647"),
+    (dict(collective_timeout_s=float("inf")), r"collective_timeout_s=inf: .*finite"),
+    (dict(rpc_timeout_s=float("inf")), r"rpc_timeout_s=inf: .*finite"),
+    (dict(rpc_timeout_s=1e300), r"rpc_timeout_s=1e\+300: .*less than or equal to 86400"),
+    (dict(client_lease_s=float("nan")), r"client_lease_s=nan: .*finite"),
+    (dict(join_timeout_s=0), r"join_timeout_s=0: .*greater than 0"),
+    (dict(max_sequences=10**12), r"max_sequences 1000000000000 over 4 shards needs .* GiB of bookkeeping"),
+    (dict(num_blocks_per_shard=10**12), r"num_blocks_per_shard 1000000000000 means .* GiB of KV cache per shard"),
+    (dict(num_blocks_per_shard=2 * 10**8, num_layers=1, num_kv_heads=1, num_q_heads=1, head_size=8, block_size=1),
+     r"num_blocks_per_shard 200000000 over 4 shards needs .* bookkeeping"),
+]
+
+
+@pytest.mark.parametrize("fields,match", UNWORKABLE)
+def test_unworkable_configs_fail_before_anything_starts(fields, match, monkeypatch):
+    import ray
+
+    def must_not_run(*a, **k):
+        raise AssertionError("ray.remote reached with an unworkable config")
+
+    monkeypatch.setattr(ray, "remote", must_not_run)
+    with pytest.raises(ConfigError, match=match):
+        cpattn.start(**fields)
+
+
+def test_block_pool_is_compact_and_fifo():
+    """The coordinator's pools hold arrays, not a Python object per block: 8 bytes a block (a deque of ints held
+    36 or more)."""
+    import tracemalloc
+
+    from cpattn.kvstore import BlockPool
+
+    tracemalloc.start()
+    pool = BlockPool(1_000_000)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert size < 9 * 2**20
+    first = pool.allocate(3)
+    assert first == [0, 1, 2]
+    pool.free([1])
+    assert pool.allocate(999_997)[-1] == 999_999 and pool.allocate(1) == [1]   # freed blocks go to the back
+    assert pool.num_free_blocks == 0

@@ -28,9 +28,10 @@ class Killer(threading.Thread):
     One kill at a time: two replicas survive one lost shard, not two at once.
     """
 
-    def __init__(self, coordinator, seed: int):
+    def __init__(self, coordinator, operator: str, seed: int):
         super().__init__(daemon=True, name="chaos-killer")
         self.coordinator = coordinator
+        self.operator = operator   # the operator credential: shard handles and stats
         self.rng = random.Random(seed)
         self.kills: list[tuple[int, float]] = []   # (rank, seconds until replaced)
         self.stop = threading.Event()
@@ -39,12 +40,12 @@ class Killer(threading.Thread):
     def run(self) -> None:
         try:
             while len(self.kills) < MAX_KILLS and not self.stop.wait(self.rng.uniform(0.1, 1.5)):
-                shards = ray.get(self.coordinator.get_shards.remote(), timeout=RPC_S)["shards"]
+                shards = ray.get(self.coordinator.get_shards.remote(self.operator), timeout=RPC_S)["shards"]
                 rank = self.rng.randrange(len(shards))
-                before = ray.get(self.coordinator.stats.remote(), timeout=RPC_S)["shards_replaced"]
+                before = ray.get(self.coordinator.stats.remote(self.operator), timeout=RPC_S)["shards_replaced"]
                 t0 = time.monotonic()
                 ray.kill(shards[rank], no_restart=True)
-                while ray.get(self.coordinator.stats.remote(), timeout=RPC_S)["shards_replaced"] <= before:
+                while ray.get(self.coordinator.stats.remote(self.operator), timeout=RPC_S)["shards_replaced"] <= before:
                     if time.monotonic() - t0 > 60:
                         raise AssertionError(f"shard {rank} was not replaced within 60s")
                     time.sleep(0.05)
@@ -57,7 +58,7 @@ def test_random_shard_kills_during_a_workload(ray_session):
     svc = cpattn.start(service_config(num_shards=3, kv_replicas=2, dtype="float32", block_size=4, dcp_interleave=2,
                                       num_blocks_per_shard=128, pcp_min_tokens=12, rpc_timeout_s=RPC_S,
                                       collective_timeout_s=5.0, health_check_interval_s=0.5, start_timeout_s=120.0))
-    killer = Killer(svc.gateway.coordinator, seed=1234)
+    killer = Killer(svc.gateway.coordinator, svc.operator_credential, seed=1234)
     try:
         oracle = Oracle(svc.config, 77)
         rng = random.Random(5)
@@ -211,7 +212,7 @@ def test_coordinator_restarts_and_a_client_crash_under_traffic(ray_session):
         wait_for_stats = time.monotonic()
         while True:   # the crashed client's lease lapses: its step, groups and sequence come back
             stats = _answer(svc.stats)
-            groups = [len(g) for g in ray.get([h.group_names.remote() for h in current_shards(svc)], timeout=RPC_S)]
+            groups = [len(g) for g in ray.get([h.group_names.remote(svc.operator_credential) for h in current_shards(svc)], timeout=RPC_S)]
             if stats["num_clients"] == 3 and stats["open_steps"] == 0 and stats["num_sequences"] == 5:
                 break
             assert time.monotonic() - wait_for_stats < 30, (stats["num_clients"], stats["open_steps"], groups)

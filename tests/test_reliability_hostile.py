@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import cpattn
 from conftest import service_config
-from cpattn.errors import CapacityError, CpattnError, InvalidRequestError
+from cpattn.errors import CapacityError, CpattnError, IncompleteStepError, InvalidRequestError
 from reliability_common import snapshot
 from service_oracle import Oracle, checked_step
 
@@ -229,8 +229,9 @@ def test_hostile_attend_is_rejected_and_changes_nothing(env, case, n_a, n_b):
     q, k, v = oracle.random_qkv(t)
     if call == "after-exit":
         step = svc.step(request)
-        with step:
-            pass                                   # exits without attending: rolled back
+        with pytest.raises(IncompleteStepError, match=r"layers \[0, 1\] never attended .* none of its tokens"):
+            with step:
+                pass                               # exits without attending: rolled back, and said so
         with pytest.raises(CpattnError, match="needs an open step"):
             step.attend(0, q, k, v)
         with pytest.raises(CpattnError, match="rolled_back"):
@@ -256,10 +257,11 @@ def test_nested_steps_and_closed_clients_are_rejected(env):
     # The same sequence in two clients' steps at once: the second is refused (it is not theirs), the first
     # unaffected.
     other = env["other"]
-    with svc.step({a: 1}):
-        with pytest.raises(CpattnError, match="unknown or freed sequence"):
-            with other.step({a: 1}):
-                pass
+    with pytest.raises(IncompleteStepError, match=r"layers \[0, 1\] never attended"):
+        with svc.step({a: 1}):
+            with pytest.raises(CpattnError, match="unknown or freed sequence"):
+                with other.step({a: 1}):
+                    pass
     _unchanged(env, before)
     third = cpattn.connect(name=svc.config.name, namespace=svc.config.namespace)
     third.close()

@@ -14,7 +14,7 @@ import ray
 import cpattn
 from conftest import service_config
 from cpattn.errors import CpattnError, InvalidRequestError, ShardLostError
-from reliability_common import (RPC_S, current_shards, kill_shard, kv_checksums, wait_for,
+from reliability_common import (RPC_S, current_shards, kill_shard, kv_checksums, simulate_hang, wait_for,
                                 wait_replaced)
 from service_oracle import Oracle, checked_step, local_tokens
 
@@ -96,7 +96,7 @@ def test_hung_shard_is_replaced_within_the_timeouts(replicated):
     svc, oracle, seqs = replicated
     a, b, c = seqs
     replaced = svc.stats()["shards_replaced"]
-    ray.get(current_shards(svc)[2].simulate_hang.remote(True), timeout=RPC_S)
+    simulate_hang(svc, 2)
     took = wait_replaced(svc, replaced + 1)
     print(f"hung shard (between steps) replaced after {took:.1f}s")
     assert took < 3 * TIMEOUTS["health_check_interval_s"] + 60
@@ -106,7 +106,7 @@ def test_hung_shard_is_replaced_within_the_timeouts(replicated):
     # (or collective_timeout_s); the step then replays.
     def hang_after_first_layer(step, layer):
         if layer == 0:
-            ray.get(current_shards(svc)[0].simulate_hang.remote(True), timeout=RPC_S)
+            simulate_hang(svc, 0)
 
     t0 = time.monotonic()
     step, _ = checked_step(svc, oracle, {a: 1, c: 4}, after_layer=hang_after_first_layer, tol=TOL)
@@ -213,7 +213,7 @@ def test_shutdown_completes_with_a_hung_shard_and_an_open_step(single):
     step = svc.step({s: 2})
     step.__enter__()
     step.attend(0, *oracle.random_qkv(2))
-    ray.get(shards[0].simulate_hang.remote(True), timeout=RPC_S)
+    ray.get(shards[0].simulate_hang.remote(svc.operator_credential, True), timeout=RPC_S)
     t0 = time.monotonic()
     svc.shutdown()
     took = time.monotonic() - t0
@@ -233,6 +233,8 @@ def test_shutdown_completes_with_a_hung_shard_and_an_open_step(single):
 def _dead(handle) -> bool:
     try:
         ray.get(handle.ping.remote(), timeout=RPC_S)
+        return False
+    except ray.exceptions.RayTaskError:   # alive: it refused a caller without the secret
         return False
     except ray.exceptions.RayActorError:
         return True

@@ -196,7 +196,7 @@ def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retr
         oracle = Oracle(cfg, 34)
         a = svc.add_sequence()
         run_step(svc, oracle, {a: 7})
-        pid = ray.get(current_shards(svc)[1].info.remote(), timeout=RPC_S)["pid"]
+        pid = ray.get(current_shards(svc)[1].info.remote(svc.operator_credential), timeout=RPC_S)["pid"]
         os.kill(pid, signal.SIGSTOP)   # a shard actor this test started
         resume = threading.Timer(6.0, os.kill, (pid, signal.SIGCONT))
         resume.start()
@@ -230,11 +230,11 @@ time.sleep(600)
 
 def _shard_usage(svc) -> dict:
     shards = current_shards(svc)
-    pids = [i["pid"] for i in ray.get([h.info.remote() for h in shards], timeout=RPC_S)]
+    pids = [i["pid"] for i in ray.get([h.info.remote(svc.operator_credential) for h in shards], timeout=RPC_S)]
     stats = svc.stats()
     return {"blocks": [s["blocks_used"] for s in stats["shards"]], "num_sequences": stats["num_sequences"],
             "open_steps": stats["open_steps"], "num_clients": stats["num_clients"],
-            "groups": [len(g) for g in ray.get([h.group_names.remote() for h in shards], timeout=RPC_S)],
+            "groups": [len(g) for g in ray.get([h.group_names.remote(svc.operator_credential) for h in shards], timeout=RPC_S)],
             "fds": [len(os.listdir(f"/proc/{pid}/fd")) for pid in pids]}
 
 
@@ -381,7 +381,7 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
         with pytest.raises(ray.exceptions.RayTaskError, match="refused: no valid ticket"):
             ray.get(shard.export_kv.remote(svc.gateway.group_name), timeout=RPC_S)   # the KV cache by CUDA IPC
         forged = ShardStepPlan(step_id=1, num_tokens=1, metadata=None, causal_pieces=torch.zeros(0, 3))
-        with pytest.raises(ray.exceptions.RayTaskError, match="a step plan refused"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="run_step refused"):
             ray.get(shard.run_step.remote(spy.gateway.group_name, forged), timeout=RPC_S)
         with pytest.raises(InvalidRequestError, match="not this client's"):
             ray.get(svc.gateway.coordinator.group_ticket.remote(spy.credential, svc.gateway.group_name), timeout=RPC_S)
@@ -403,35 +403,44 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
         svc.shutdown()
 
 
-def test_pings_answer_while_every_step_thread_of_a_shard_is_busy(ray_session):
-    """Item 3: pings run in the shards' own concurrency group. Every default-group thread of a shard is held
-    (blocking group joins whose peer never comes) for longer than shard_hang_timeout_s; a default-group call
-    cannot get through, yet the health check keeps getting answers: nothing is declared hung or replaced."""
+def test_joins_that_never_finish_cannot_hold_the_shards_threads(ray_session):
+    """Issue 20: forty joins under a client's own valid tickets whose handshake never finishes. A shard admits
+    at most MAX_JOINS_PER_CLIENT of them at once (the rest are refused at once, typed), a ticket admits one join,
+    the admitted ones give their thread back after join_timeout_s, and meanwhile the shard's default group, the
+    health check and another client's steps go on: nothing is declared hung or replaced."""
     from cpattn.cluster.netstore import make_bound_store
-    from cpattn.cluster.shard_set import SHARD_THREAD_HEADROOM
+    from cpattn.cluster.shard import MAX_JOINS_PER_CLIENT
 
     cfg = service_config(num_shards=2, max_open_steps=1, health_check_interval_s=0.2, shard_hang_timeout_s=1.0,
-                         rpc_timeout_s=RPC_S, collective_timeout_s=10.0)
+                         rpc_timeout_s=RPC_S, collective_timeout_s=10.0, join_timeout_s=2.0)
     svc = cpattn.start(cfg)
+    hostile = cpattn.connect(name=cfg.name, namespace=cfg.namespace)
     try:
         oracle = Oracle(cfg, 37)
         a = svc.add_sequence()
         run_step(svc, oracle, {a: 5})
         shard = current_shards(svc)[1]
         host = ray.util.get_node_ip_address()
-        names = [f"{svc.client_id}-block{i}" for i in range(cfg.max_open_steps + SHARD_THREAD_HEADROOM)]
-        tickets = ray.get([svc.gateway.coordinator.group_ticket.remote(svc.credential, n) for n in names], timeout=RPC_S)
+        names = [f"{hostile.client_id}-block{i}" for i in range(40)]
+        tickets = ray.get([hostile.gateway.coordinator.group_ticket.remote(hostile.credential, n) for n in names],
+                          timeout=RPC_S)
         stores = [make_bound_store(host, 2, cfg.collective_timeout_s) for _ in names]
-        blockers = [shard.join_group.remote(n, host, st.port, 1, 2, "gloo", t)   # every default-group thread
-                    for n, st, t in zip(names, stores, tickets)]
-        time.sleep(1.0)
-        busy = shard.kv_checksum.remote()                   # default group: must wait behind the blockers
-        assert not ray.wait([busy], timeout=2.0)[0], "the default group was not saturated"
-        time.sleep(3 * cfg.shard_hang_timeout_s)            # many health rounds meanwhile
-        assert svc.stats()["shards_replaced"] == 0
-        ray.wait(blockers, num_returns=len(blockers), timeout=RPC_S)   # the joins time out and free the threads
-        ray.get(busy, timeout=RPC_S)
-        run_step(svc, oracle, {a: 2})
+        t0 = time.monotonic()
+        joins = [shard.join_group.remote(n, host, st.port, 1, 2, "gloo", t) for n, st, t in zip(names, stores, tickets)]
+        replayed = [shard.join_group.remote(names[0], host, stores[0].port, 1, 2, "gloo", tickets[0]) for _ in range(5)]
+        outcomes = []
+        for ref in joins + replayed:
+            try:
+                outcomes.append(ray.get(ref, timeout=RPC_S))
+            except ray.exceptions.RayTaskError as exc:
+                outcomes.append(type(exc.cause).__name__)
+        took = time.monotonic() - t0
+        assert outcomes.count("ServiceError") == MAX_JOINS_PER_CLIENT   # admitted, then given up after 2 s
+        assert outcomes.count("CapacityError") + outcomes.count("AccessDeniedError") == 45 - MAX_JOINS_PER_CLIENT
+        assert took < cfg.join_timeout_s + 10
+        ray.get(shard.kv_checksum.remote(svc.operator_credential), timeout=5.0)   # the default group answers
+        run_step(svc, oracle, {a: 2})                                          # another client's step: exact
         assert svc.stats()["shards_replaced"] == 0
     finally:
+        hostile.close()
         svc.shutdown()

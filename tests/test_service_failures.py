@@ -72,7 +72,7 @@ def test_killed_shard_raises_shard_lost_naming_sequences_and_shutdown_cleans_up(
         with pytest.raises(ShardLostError, match=c) as info:
             run_step(svc, oracle, {c: 1})
         assert c in info.value.sequences
-        current = ray.get(svc.gateway.coordinator.get_shards.remote(), timeout=30)
+        current = ray.get(svc.gateway.coordinator.get_shards.remote(svc.operator_credential), timeout=30)
         shards += current["shards"] if isinstance(current, dict) else current   # replacements, if any
     finally:
         svc.shutdown()
@@ -129,7 +129,7 @@ def test_hung_shard_surfaces_as_typed_error_not_a_hang(ray_session):
         oracle = Oracle(cfg, 4)
         a = svc.add_sequence()
         run_step(svc, oracle, {a: 6})
-        ray.get(shards[1].simulate_hang.remote(True), timeout=10)
+        ray.get(shards[1].simulate_hang.remote(svc.operator_credential, True), timeout=10)
         t0 = time.monotonic()
         with pytest.raises(ShardLostError, match=r"shard 1\b") as info:
             run_step(svc, oracle, {a: 1})

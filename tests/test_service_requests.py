@@ -38,7 +38,7 @@ def snapshot(svc, seq_ids, with_kv: bool = True) -> dict:
             "sequences": svc.sequences(),
             "shards": [(s["blocks_used"], s["blocks_free"], s["tokens"]) for s in stats["shards"]]}
     if with_kv:
-        snap["kv"] = ray.get([h.kv_checksum.remote() for h in svc.gateway.shards], timeout=30)
+        snap["kv"] = ray.get([h.kv_checksum.remote(svc.operator_credential) for h in svc.gateway.shards], timeout=30)
     return snap
 
 

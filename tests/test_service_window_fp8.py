@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpattn.errors import InvalidRequestError
+from cpattn.errors import IncompleteStepError, InvalidRequestError
 from reliability_common import RPC_S, kill_shard, kv_checksums, wait_replaced
 from service_oracle import Oracle, run_step
 
@@ -26,9 +26,25 @@ def test_window_softcap_sinks_through_the_service(start_service):
         q, k, v = oracle.random_qkv(1)
         with pytest.raises(InvalidRequestError, match=r"sinks must be a tensor \[num_q_heads=4\]"):
             step.attend(0, q, k, v, sinks=torch.zeros(3))
+        for odd, match in ((torch.zeros(4).to_sparse(), "sinks is a torch.sparse_coo tensor: pass a dense one"),
+                           (torch.zeros(4, device="meta"), "sinks is on meta"),
+                           (torch.zeros(4, dtype=torch.complex64), "finite floating-point logits"),
+                           ([0.0] * 4, r"sinks must be a tensor .* got list")):
+            with pytest.raises(InvalidRequestError, match=match):
+                step.attend(0, q, k, v, sinks=odd)
         for layer in range(2):
             step.attend(layer, q, k, v)
     assert svc.sequence_length(a) == 31          # the rejected call changed nothing; the step committed
+    # A block that ends normally with a layer never attended: typed error naming it, nothing committed.
+    with pytest.raises(IncompleteStepError, match=r"layers \[1\] never attended \(1 of 2\): it was rolled back") as info:
+        with svc.step({a: 1}) as step:
+            step.attend(0, *oracle.random_qkv(1))
+    assert info.value.missing == [1] and svc.sequence_length(a) == 31
+    with pytest.raises(KeyError):                # the caller's own error stays the one raised (silent rollback)
+        with svc.step({a: 1}) as step:
+            step.attend(0, *oracle.random_qkv(1))
+            raise KeyError("caller")
+    assert svc.sequence_length(a) == 31
 
 
 def test_fp8_cache_through_the_service(start_service):

@@ -12,8 +12,6 @@ all others continue. Each replacement bumps ``epoch``: clients then rebuild thei
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import dataclasses
 import logging
 import secrets
@@ -23,6 +21,8 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cpattn.cluster import authority
+from cpattn.cluster.authority import digest as _digest
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.journal import CoordinatorJournal, SequenceUpdate
 from cpattn.cluster.lease import ON_LAPSE
@@ -31,8 +31,8 @@ from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard_set import CONTROL_GROUP, ShardSet
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
-from cpattn.errors import (CapacityError, CpattnError, InvalidRequestError, ServiceError, ShardLostError,
-                           StepFencedError)
+from cpattn.errors import (AccessDeniedError, CapacityError, CpattnError, InvalidRequestError, ServiceError,
+                           ShardLostError, StepFencedError)
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 logger = logging.getLogger("cpattn.coordinator")
@@ -63,14 +63,23 @@ class OpenStep:
     plan_s: float = 0.0
 
 
+# Open steps one client may hold at once: a client is one thread with one step, so more is a tenant trying to
+# hold the shards' step threads (each open step holds one on every shard) that other clients need.
+MAX_OPEN_STEPS_PER_CLIENT = 1
+
+
 class Coordinator:
-    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None):
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None,
+                 operator_digest: str | None = None):
         self.config = config
         self._lock = threading.RLock()
         self._recovery_lock = threading.Lock()
         # Proves to shards that a call (KV reads/writes, plans, fencing) or a group join comes from this service.
         self._shard_secret = secrets.token_hex(32)
-        self.shard_set = ShardSet(config, backend_registry, self._shard_secret)
+        # SHA-256 of the operator credential made by whoever started the service (cluster.authority).
+        self._operator_digest = operator_digest
+        self._started = False
+        self.shard_set = ShardSet(config, backend_registry, self._shard_secret, operator_digest)
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
                                             config.dcp_interleave, config.max_sequences, config.kv_replicas)
         self.sequences: dict[str, Sequence] = {}
@@ -174,9 +183,34 @@ class Coordinator:
             if u.pages is not None:
                 seq.persisted_pages = sum(len(p) for p in u.pages[3].values())
 
+    # Authority (the remote surface calls this before every method: cluster.authority) ----------------
+    def authorize(self, rule: authority.Rule, proof, arguments: dict, method: str) -> None:
+        who = f"coordinator {self.config.name!r}"
+        if rule.who == authority.OPEN:
+            return
+        operator = authority.matches_digest(proof, self._operator_digest)
+        if rule.who == authority.OPERATOR:
+            if not operator:
+                raise authority.refuse(who, method, "it needs the operator credential (printed by `cpattn serve`, "
+                                                    "Service.operator_credential of cpattn.start)")
+            return
+        if rule.who == authority.CLIENT_OR_OPERATOR and operator:
+            return
+        with self._lock:
+            known = self._client_of(proof) in self.clients
+        if not known:
+            raise AccessDeniedError(
+                f"{method}: unknown client credential (closed, or its lease lapsed after client_lease_s without a "
+                "call or heartbeat): connect again with cpattn.connect()" +
+                (", or pass the operator credential" if rule.who == authority.CLIENT_OR_OPERATOR else ""))
+
     # Lifecycle ------------------------------------------------------------------------------------
-    def start(self) -> list[dict]:
-        """Place and start the shards (ShardSet cleans up if any part fails), then watch them."""
+    def start(self, operator_credential: str) -> list[dict]:
+        """Place and start the shards (ShardSet cleans up if any part fails), then watch them. Once."""
+        with self._lock:
+            if self._started or self.restored:
+                raise InvalidRequestError(f"service {self.config.name!r} is already started")
+            self._started = True
         self.shard_set.start()
         self._persist_meta()
         self._publish_blocks_used()
@@ -186,16 +220,17 @@ class Coordinator:
                     first["backend"], first["kernel_version"])
         return self.shard_set.infos
 
-    def describe(self) -> dict:
+    def describe(self, credential: str) -> dict:
         return {"config": self.config.model_dump(), "shards": self.shard_set.infos, "lost": dict(self.shard_set.lost),
                 "epoch": self.epoch, "restored": self.restored, "incarnation": self.incarnation,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
-    def get_shards(self) -> dict:
+    def get_shards(self, credential: str) -> dict:
+        """Shard handles for the caller's data-plane group (their join and leave methods need its tickets)."""
         with self._lock:
             return {"epoch": self.epoch, "shards": list(self.shard_set.handles), "infos": list(self.shard_set.infos)}
 
-    def shutdown(self) -> None:
+    def shutdown(self, operator_credential: str) -> None:
         self._stop.set()
         self.shard_set.teardown()
         if self.journal is not None:
@@ -288,14 +323,14 @@ class Coordinator:
                                               "(a credential serves one client at a time)")
                 self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
                 self._persist_meta()
-            return {"client_id": client_id, "credential": credential}
+            return {"client_id": client_id, "credential": credential, "config": self.config.model_dump()}
         client_id = "c-" + secrets.token_hex(6)            # public: group names, stats, logs
         credential = secrets.token_urlsafe(32)              # secret: every call of this client proves it
         with self._lock:
             self.clients[client_id] = {"created": time.time(), "renewed": time.monotonic(), "on_lapse": on_lapse}
             self._by_credential[_digest(credential)] = client_id
             self._persist_meta()
-        return {"client_id": client_id, "credential": credential}
+        return {"client_id": client_id, "credential": credential, "config": self.config.model_dump()}
 
     def _client_of(self, credential) -> str | None:
         return self._by_credential.get(_digest(credential)) if isinstance(credential, str) else None
@@ -317,12 +352,13 @@ class Coordinator:
             self._end_client(client_id, "closed", free_sequences=False)
 
     def group_ticket(self, credential: str, group_name: str) -> str:
-        """What a client shows a shard to join (or leave) a data-plane group named after itself."""
+        """What a client shows a shard to join (or leave) a data-plane group named after itself: one join per
+        group, within client_lease_s, and void once the client ends (authority.make_ticket)."""
         with self._lock:
             client_id = self._check_client(credential)
             if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
                 raise InvalidRequestError(f"group {group_name!r} is not this client's: name it {client_id}-...")
-        return group_ticket(self._shard_secret, group_name)
+            return authority.make_ticket(self._shard_secret, group_name, client_id, time.time())
 
     def expire_clients(self) -> list[str]:
         """End every client whose lease lapsed (no call or heartbeat for client_lease_s)."""
@@ -360,7 +396,8 @@ class Coordinator:
             self._persist_meta()
             self._publish_blocks_used()
             shards = [h for h in self.shard_set.handles if h is not None]
-        refs = [h.drop_client.remote(self._shard_secret, client_id) for h in shards]
+            ended_at = time.time()   # tickets issued before this are void on every shard
+        refs = [h.drop_client.remote(self._shard_secret, client_id, ended_at) for h in shards]
         try:
             ray.get(refs, timeout=self.config.rpc_timeout_s)
         except Exception as exc:   # a lost shard's groups went with it
@@ -485,6 +522,7 @@ class Coordinator:
                     requests.append(StepRequest(seq.rows, seq.length, n))
                 self._check_step_size(sum(request.values()))
                 self._check_quota(client_id, sum(request.values()))
+                self._check_client_steps(client_id)
                 self._check_open_steps()
                 growth = self.allocator.grow(growths)        # raises CapacityError before changing anything
             except CpattnError as exc:
@@ -558,6 +596,13 @@ class Coordinator:
                 f"{held} steps are open on the shards, the most they serve at once (max_open_steps={cap}): finish "
                 "open steps first (a client holds one at a time), retry later, or raise max_open_steps",
                 needed=held + 1, free=0)
+
+    def _check_client_steps(self, client_id: str) -> None:
+        held = sum(1 for s in self.steps.values() if s.client_id == client_id)
+        if held >= MAX_OPEN_STEPS_PER_CLIENT:
+            raise CapacityError(f"this client already holds {held} open step(s), the most one client may: end it "
+                                "first (a client is one thread with one step; use another client for concurrent "
+                                "steps)", needed=held + 1, free=0)
 
     def _check_quota(self, client_id: str, extra: int) -> None:
         quota = self.config.max_tokens_per_client
@@ -699,6 +744,9 @@ class Coordinator:
         """Service-wide usage. ``clients`` lists only the caller's own client (by its credential); every other
         client is counted in ``other_clients`` (aggregate). ``admin=True`` (operators: ``cpattn status``) lists
         every client by its public id."""
+        if admin and not authority.matches_digest(credential, self._operator_digest):
+            raise authority.refuse(f"coordinator {self.config.name!r}", "stats(admin=True)",
+                                   "it needs the operator credential (`cpattn status` finds it; see README Security)")
         with self._lock:
             me = self._client_of(credential)
             bytes_per_block = self.config.bytes_per_block()
@@ -735,11 +783,5 @@ class Coordinator:
                     "kernel_version": self.shard_set.infos[0]["kernel_version"] if self.shard_set.infos else None}
 
 
-def _digest(credential: str) -> str:
-    """Credentials are kept (and journalled) only as hashes."""
-    return hashlib.sha256(credential.encode()).hexdigest()
-
-
-def group_ticket(secret: str, group_name: str) -> str:
-    """HMAC of a group name under the shards' secret: a shard lets a client join or leave only its own groups."""
-    return hmac.new(secret.encode(), group_name.encode(), hashlib.sha256).hexdigest()
+RemoteCoordinator = authority.remote_surface(Coordinator, authority.COORDINATOR_METHODS, "RemoteCoordinator", __name__)
+"""What Ray runs (cluster.service): only the methods of authority.COORDINATOR_METHODS, each checked."""

@@ -108,7 +108,8 @@ class Gateway:
     """One client's side of the service. Its ``client_id`` is public (group names, stats); its ``credential``
     is the secret every coordinator call proves; a LeaseKeeper thread keeps the client alive between calls."""
 
-    def __init__(self, coordinator, config: ServiceConfig, on_lapse: str = "free", credential: str | None = None):
+    def __init__(self, coordinator, config: ServiceConfig, on_lapse: str = "free", credential: str | None = None,
+                 registered: dict | None = None):
         self.coordinator = coordinator
         self.config = config
         self.device = client_device(config)
@@ -125,8 +126,9 @@ class Gateway:
         self._store = None
         self._generation = 0
         self._ticket: str | None = None
-        registered = call(coordinator.register_client.remote(on_lapse, credential), config.rpc_timeout_s,
-                          "register_client")
+        if registered is None:   # connect() registers first: only a client may read the service's config
+            registered = call(coordinator.register_client.remote(on_lapse, credential), config.rpc_timeout_s,
+                              "register_client")
         self.client_id: str = registered["client_id"]
         self.credential: str = registered["credential"]
         self.lease = LeaseKeeper(coordinator, self.credential, config.client_lease_s)
@@ -172,7 +174,7 @@ class Gateway:
     def join(self) -> None:
         """(Re)build: open the local shards' caches, then one group with the remote shards (rank 0 is us)."""
         cfg = self.config
-        current = call(self.coordinator.get_shards.remote(), cfg.rpc_timeout_s, "get_shards")
+        current = call(self.coordinator.get_shards.remote(self.credential), cfg.rpc_timeout_s, "get_shards")
         self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
         self._generation += 1   # a fresh group name on every (re)join
         self.plane_broken = False

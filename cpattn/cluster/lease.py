@@ -18,6 +18,8 @@ import threading
 
 import ray
 
+from cpattn.errors import AccessDeniedError
+
 logger = logging.getLogger("cpattn")
 
 ON_LAPSE = ("free", "keep")
@@ -37,6 +39,12 @@ class LeaseKeeper(threading.Thread):
         while not self._stop_event.wait(self._period):
             try:
                 alive = ray.get(self._coordinator.renew.remote(self._credential), timeout=self._period * 2)
+            except ray.exceptions.RayTaskError as exc:
+                # The coordinator no longer knows the credential: this client has ended.
+                alive = not isinstance(exc.cause, AccessDeniedError)
+                if alive:
+                    logger.debug("lease renewal failed: %s", exc)
+                    continue
             except Exception as exc:   # a coordinator restarting or busy: retry next period
                 logger.debug("lease renewal failed: %s", exc)
                 continue

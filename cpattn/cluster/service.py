@@ -8,9 +8,10 @@ import os
 import ray
 
 from cpattn.attention.registry import backend_names, load_backend_class, registry_state
-from cpattn.cluster.coordinator import Coordinator
+from cpattn.cluster.authority import digest
+from cpattn.cluster.coordinator import RemoteCoordinator
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, ServiceError
+from cpattn.errors import AccessDeniedError, CpattnError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
@@ -34,8 +35,11 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
     return True
 
 
-def launch_coordinator(config: ServiceConfig):
-    """Create the named coordinator and start its shards; cleans up everything if any part fails."""
+def launch_coordinator(config: ServiceConfig, operator_credential: str):
+    """Create the named coordinator and start its shards; cleans up everything if any part fails.
+
+    ``operator_credential`` (authority.new_operator_credential) is made by the caller, who keeps it; the
+    coordinator gets only its hash, which the shards get too."""
     try:
         existing = ray.get_actor(config.name, namespace=config.namespace)
     except ValueError:
@@ -54,12 +58,13 @@ def launch_coordinator(config: ServiceConfig):
         # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
         options["max_restarts"] = -1
-    coordinator = ray.remote(Coordinator).options(**options).remote(config, registry_state())
+    coordinator = ray.remote(RemoteCoordinator).options(**options).remote(config, registry_state(),
+                                                                          digest(operator_credential))
     try:
-        ray.get(coordinator.start.remote(), timeout=config.start_timeout_s + 30)
+        ray.get(coordinator.start.remote(operator_credential), timeout=config.start_timeout_s + 30)
     except BaseException as exc:
         try:
-            ray.get(coordinator.shutdown.remote(), timeout=config.rpc_timeout_s)
+            ray.get(coordinator.shutdown.remote(operator_credential), timeout=config.rpc_timeout_s)
         except Exception:
             pass
         ray.kill(coordinator, no_restart=True)
@@ -101,14 +106,20 @@ def find_coordinator(name: str, namespace: str):
                            "cpattn.start(...) or `cpattn serve`, or pass the right name/namespace") from None
 
 
-def stop_coordinator(coordinator, timeout_s: float, config: ServiceConfig | None = None) -> None:
-    """Stop shards, remove the placement group, then the coordinator itself.
+def stop_coordinator(coordinator, timeout_s: float, config: ServiceConfig | None = None,
+                     operator_credential: str | None = None) -> None:
+    """Stop shards, remove the placement group, then the coordinator itself (the operator only: a coordinator
+    that refuses ``operator_credential`` raises AccessDeniedError and is left running).
 
     With ``config`` of a detached service, also removes what a dead coordinator could leave behind
     (named shards, the named placement group, the journal).
     """
     try:
-        ray.get(coordinator.shutdown.remote(), timeout=timeout_s)
+        ray.get(coordinator.shutdown.remote(operator_credential), timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, AccessDeniedError):
+            raise exc.cause from None
+        logger.warning("coordinator shutdown call failed (%s); killing it", exc)
     except Exception as exc:   # already dead or hung: still kill it below
         logger.warning("coordinator shutdown call failed (%s); killing it", exc)
     try:

@@ -7,8 +7,6 @@ serves layers from its data-plane group until the gateway says commit or abort.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import socket
@@ -19,19 +17,25 @@ import torch
 
 from cpattn.attention import get_attn_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
+from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store, partial_tag
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, StepFencedError
+from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
 from cpattn.kvstore.fp8 import dequantize, dynamic_scales, fp8_dtype, initial_scales, is_fp8, quantize, rescale_cache
 
 logger = logging.getLogger("cpattn.shard")
 
 
 SYNTHETIC_CHUNK = 1 << 16
+# Data-plane joins a shard runs at once: per client (a client joins one group at a time; two lets a rejoin
+# overlap a join still timing out), and in all (half of shard_set.SHARD_THREAD_HEADROOM), so joins that never
+# finish their handshake can never take the threads open steps need.
+MAX_JOINS_PER_CLIENT = 2
+MAX_JOINS_IN_FLIGHT = 8
 
 
 def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_heads: int, head_size: int,
@@ -54,8 +58,9 @@ def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_head
 
 class ShardWorker:
     def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None,
-                 secret: str | None = None, ready: bool = True):
+                 secret: str | None = None, ready: bool = True, operator_digest: str | None = None):
         self.config = config
+        self._operator_digest = operator_digest   # the operator may read checksums and group names
         # A replacement is not ready until the coordinator refilled it; a restarted coordinator that finds an
         # unready one (its predecessor died mid-refill) replaces it again instead of serving a half-empty shard.
         self._ready = ready
@@ -90,6 +95,9 @@ class ShardWorker:
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
+        self._admitted: dict[str, float] = {}   # ticket -> when it expires (a ticket joins once)
+        self._ended: dict[str, float] = {}      # client id -> when it ended (its older tickets are void)
+        self._joining: dict[str, int] = {}      # client id -> joins whose handshake is still running
         self._lock = threading.Lock()
         self._hang = False
         self._fence = StepFence()   # coordinator fencing: steps of an older incarnation never write (fencing.py)
@@ -97,8 +105,31 @@ class ShardWorker:
                     bundle_index, self.backend.get_name(), self.backend.kernel_version(), self.num_blocks,
                     config.block_size, self.kernel_block_size, self.device)
 
+    # Authority (the remote surface calls this before every method: cluster.authority) ----------------
+    def authorize(self, rule: authority.Rule, proof, arguments: dict, method: str) -> None:
+        if self._secret is None:
+            return   # a plain worker in a unit test: no service, nothing to prove
+        who = f"shard {self.bundle_index}"
+        if rule.who == authority.TICKET:
+            group_name = arguments.get("group_name")
+            if authority.read_ticket(self._secret, group_name, proof) is None:
+                raise authority.refuse(who, method, f"group {group_name!r} refused: no valid ticket (get one from "
+                                                    "the coordinator with the client's credential)")
+            return
+        if rule.who == authority.PLAN:
+            proof = getattr(proof, "auth", None)
+        ok = authority.matches_secret(proof, self._secret) or (
+            rule.who in (authority.SECRET_OR_OPERATOR, authority.TEST_HOOK)
+            and authority.matches_digest(proof, self._operator_digest))
+        if not ok:
+            raise authority.refuse(who, method, "only the service's coordinator may call it" + (
+                "" if rule.who in (authority.SECRET, authority.PLAN) else " (or the operator credential)"))
+        if rule.who == authority.TEST_HOOK and not self.config.test_hooks:
+            raise authority.refuse(who, method, "test hooks are off: only a service started with test_hooks=True "
+                                                "(the test suite's) serves them")
+
     # Introspection --------------------------------------------------------------------------------
-    def info(self) -> dict:
+    def info(self, secret: str | None = None) -> dict:
         gpu_ids: tuple[str, ...] = ()
         node_id = socket.gethostname()
         node_ip = "127.0.0.1"
@@ -119,14 +150,14 @@ class ShardWorker:
                 "kv_cache_dtype": str(self.cache_dtype).removeprefix("torch."),
                 "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
 
-    def ping(self) -> bool:
+    def ping(self, secret: str | None = None) -> bool:
         return not self._hang
 
-    def simulate_hang(self, hang: bool = True) -> None:
+    def simulate_hang(self, secret: str | None = None, hang: bool = True) -> None:
         """Test hook: stop answering pings and data-plane traffic, as a wedged process would."""
         self._hang = hang
 
-    def kv_checksum(self) -> float:
+    def kv_checksum(self, secret: str | None = None) -> float:
         """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks (an fp8 cache's real,
         dequantised values, so a replacement holding the same values under other scales sums the same)."""
         if self.kv_scales is None:
@@ -134,23 +165,12 @@ class ShardWorker:
         return float(sum(dequantize(t, s[:, None, None, :, None], torch.float64).abs().sum()
                          for t, s in zip(self.kv_caches, self.kv_scales)))
 
-    def get_kv_scales(self) -> list[list[list[float]]] | None:
+    def get_kv_scales(self, secret: str | None = None) -> list[list[list[float]]] | None:
         """fp8 caches: every layer's [2, Hk] scales (identical on every shard: see cpattn/kvstore/fp8.py)."""
         return None if self.kv_scales is None else [s.tolist() for s in self.kv_scales]
 
-    def _authorize(self, secret: str | None, what: str) -> None:
-        """Calls that read or write KV, or end a client, come from this service's coordinator only."""
-        if self._secret is not None and not (isinstance(secret, str) and hmac.compare_digest(secret, self._secret)):
-            raise CpattnError(f"shard {self.bundle_index}: {what} refused: only the service's coordinator may call it")
-
-    def _admit(self, plan: ShardStepPlan) -> bool:
-        """Before a step: the plan must come from the coordinator (else raises) and not be fenced (else False)."""
-        self._authorize(plan.auth, "a step plan")
-        return self._fence.admits(plan.incarnation)
-
     def mark_ready(self, secret: str | None = None) -> None:
         """The coordinator finished refilling this replacement: it may serve now."""
-        self._authorize(secret, "mark_ready")
         self._ready = True
 
     def export_kv(self, group_name: str, ticket: str | None = None) -> list[tuple]:
@@ -162,7 +182,7 @@ class ShardWorker:
         caller proves it is a registered client (a group ticket); it then holds this whole shard's KV, which
         is why clients that must be isolated from each other run with local_shards='off' (README Security).
         """
-        self._check_ticket(group_name, ticket)
+        self._live_ticket(group_name, ticket)
         if self.device.type != "cuda":
             raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
         from torch.multiprocessing.reductions import reduce_tensor
@@ -172,7 +192,6 @@ class ShardWorker:
     def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer).
         An fp8 cache's pages come back dequantised (float32 real values), so the receiver needs no scales."""
-        self._authorize(secret, "read_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         if self.kv_scales is None:
             return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
@@ -180,7 +199,6 @@ class ShardWorker:
                             for t, s in zip(self.kv_caches, self.kv_scales)]).cpu()
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None) -> None:
-        self._authorize(secret, "write_blocks")
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, t in enumerate(self.kv_caches):
             if self.kv_scales is None:
@@ -202,7 +220,6 @@ class ShardWorker:
         Every shard draws the same values (synthetic_kv on its device) and keeps its own tokens, so
         the sequence's logical KV is reproducible from ``seed``.
         """
-        self._authorize(plan.auth, "fill_synthetic")
         slots = plan.metadata.slot_mapping.to(self.device)
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         hk, d = self.config.num_kv_heads, self.config.head_size
@@ -233,7 +250,6 @@ class ShardWorker:
     def fence(self, incarnation: int, timeout_s: float, secret: str | None = None) -> dict:
         """Called by a restarted coordinator before it hands out any page: steps of older incarnations
         write nothing more (see cluster/fencing.py). Returns once none of them is mid-write."""
-        self._authorize(secret, "fence")
         report = self._fence.raise_floor(incarnation, timeout_s)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # writes launched before the floor rose have landed
@@ -255,31 +271,83 @@ class ShardWorker:
                     error=f"step {plan.step_id} was fenced by a restarted coordinator")
 
     # Data plane -----------------------------------------------------------------------------------
-    def _check_ticket(self, group_name: str, ticket: str | None) -> None:
-        """A client joins or leaves only its own groups: the coordinator's ticket (HMAC of the name) proves it."""
+    def _live_ticket(self, group_name: str, ticket: str | None) -> authority.Ticket | None:
+        """Under the lock: a genuine ticket (the surface checked its HMAC) that has not expired and whose
+        client has not ended since it was issued; raises AccessDeniedError otherwise."""
         if self._secret is None:
-            return
-        expected = hmac.new(self._secret.encode(), str(group_name).encode(), hashlib.sha256).hexdigest()
-        if not (isinstance(ticket, str) and hmac.compare_digest(ticket, expected)):
-            raise CpattnError(f"shard {self.bundle_index}: group {group_name!r} refused: no valid ticket (get one "
-                              "from the coordinator with the client's credential)")
+            return None
+        t = authority.read_ticket(self._secret, group_name, ticket)
+        now, ttl = time.time(), self.config.client_lease_s
+        # Forget what can no longer matter: tickets older than ttl are refused as expired anyway.
+        self._admitted = {k: exp for k, exp in self._admitted.items() if exp >= now}
+        self._ended = {c: at for c, at in self._ended.items() if at >= now - 2 * ttl}
+        if now > t.issued_at + ttl:
+            raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket expired "
+                                    f"(tickets last client_lease_s={ttl:g}s): get a new one")
+        if t.issued_at <= self._ended.get(t.client_id, float("-inf")):
+            raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: the ticket's client "
+                                    "ended after it was issued: connect again")
+        return t
 
     def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str,
                    ticket: str | None = None) -> bool:
-        self._check_ticket(group_name, ticket)
+        """Join a client's data-plane group: one join per ticket, at most MAX_JOINS_PER_CLIENT (and
+        MAX_JOINS_IN_FLIGHT overall) at once, and a handshake that does not finish within join_timeout_s
+        gives its thread back (it goes on, bounded by collective_timeout_s, in a thread of its own)."""
         with self._lock:
-            if group_name in self._groups:
-                raise CpattnError(f"shard {self.bundle_index}: group {group_name!r} exists: rejoin under a new name")
-        store = make_store(host, port, world_size, False, self.config.collective_timeout_s)
-        group = create_group(store, group_name, rank, world_size, backend, self.config.collective_timeout_s)
+            t = self._live_ticket(group_name, ticket)
+            client = t.client_id if t is not None else group_name
+            if ticket in self._admitted or group_name in self._groups:
+                raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket was "
+                                        "already used (a ticket admits one join): rejoin under a new group name")
+            if self._joining.get(client, 0) >= MAX_JOINS_PER_CLIENT or sum(self._joining.values()) >= MAX_JOINS_IN_FLIGHT:
+                raise CapacityError(f"shard {self.bundle_index}: {self._joining.get(client, 0)} joins of this client "
+                                    f"and {sum(self._joining.values())} in all are still in their handshake (at most "
+                                    f"{MAX_JOINS_PER_CLIENT} per client, {MAX_JOINS_IN_FLIGHT} in all): finish or "
+                                    "abandon those first, then retry", shard=self.bundle_index)
+            if t is not None:
+                self._admitted[ticket] = t.issued_at + self.config.client_lease_s
+            self._joining[client] = self._joining.get(client, 0) + 1
+        outcome: dict = {}
+        done = threading.Event()
+
+        def handshake() -> None:
+            try:
+                store = make_store(host, port, world_size, False, self.config.collective_timeout_s)
+                group = create_group(store, group_name, rank, world_size, backend, self.config.collective_timeout_s)
+                plane = DataPlane(group, rank, world_size, backend)
+                with self._lock:
+                    if outcome.get("abandoned"):
+                        plane.close()   # the caller was told it failed: nobody will use this group
+                    else:
+                        self._groups[group_name] = plane
+                        outcome["joined"] = True
+            except BaseException as exc:
+                outcome["error"] = exc
+            finally:
+                with self._lock:
+                    self._joining[client] -= 1
+                    if not self._joining[client]:
+                        del self._joining[client]
+                done.set()
+
+        threading.Thread(target=handshake, daemon=True, name=f"cpattn-join-{group_name}").start()
+        done.wait(self.config.join_timeout_s)
         with self._lock:
-            self._groups[group_name] = DataPlane(group, rank, world_size, backend)
+            if not outcome.get("joined") and "error" not in outcome:
+                outcome["abandoned"] = True
+                raise ServiceError(f"shard {self.bundle_index}: group {group_name!r}: the handshake did not finish "
+                                   f"within join_timeout_s={self.config.join_timeout_s:g}s: is the client's store "
+                                   "reachable from the shards? join again")
+        if "error" in outcome:
+            raise outcome["error"]
         return True
 
-    def drop_client(self, secret: str, client_id: str) -> int:
-        """Close every data-plane group of a client that ended (close() or a lapsed lease); returns how many."""
-        self._authorize(secret, "drop_client")
+    def drop_client(self, secret: str, client_id: str, ended_at: float | None = None) -> int:
+        """Close every data-plane group of a client that ended (close() or a lapsed lease); returns how many.
+        Its tickets issued up to ``ended_at`` (the coordinator's clock) are void from now on."""
         with self._lock:
+            self._ended[client_id] = time.time() if ended_at is None else ended_at
             names = [n for n in self._groups if n.startswith(f"{client_id}-")]
             planes = [self._groups.pop(n) for n in names]
             for name in names:
@@ -288,12 +356,12 @@ class ShardWorker:
             plane.close()
         return len(planes)
 
-    def group_names(self) -> list[str]:
+    def group_names(self, secret: str | None = None) -> list[str]:
         with self._lock:
             return list(self._groups)
 
     def leave_group(self, group_name: str, ticket: str | None = None) -> None:
-        self._check_ticket(group_name, ticket)
+        """Leaving needs a genuine ticket of the group (checked by the surface), spent or expired or not."""
         with self._lock:
             plane = self._groups.pop(group_name, None)
             self._graphs.pop(group_name, None)
@@ -305,7 +373,7 @@ class ShardWorker:
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
-        if not self._admit(plan):   # a plan of this coordinator (auth), not fenced by a restarted one
+        if not self._fence.admits(plan.incarnation):   # not fenced by a restarted coordinator
             return self._refuse_fenced(plane, plan)
         t0 = time.perf_counter()
         if group_name not in self._graphs:
@@ -353,3 +421,7 @@ class ShardWorker:
             torch.cuda.synchronize(self.device)   # the step's sends are done before it reports
         timings["outcome"] = "served"
         return timings
+
+
+RemoteShard = authority.remote_surface(ShardWorker, authority.SHARD_METHODS, "RemoteShard", __name__)
+"""What Ray runs (cluster.shard_set): only the methods of authority.SHARD_METHODS, each checked."""

@@ -16,7 +16,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
-from cpattn.cluster.shard import ShardWorker
+from cpattn.cluster.shard import RemoteShard
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError, ServiceError
 
@@ -65,9 +65,11 @@ def creation_error(exc: BaseException) -> str:
 
 
 class ShardSet:
-    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None, secret: str | None = None):
+    def __init__(self, config: ServiceConfig, backend_registry: dict | None = None, secret: str | None = None,
+                 operator_digest: str | None = None):
         self.config = config
         self.secret = secret                        # handed to every shard: proves calls come from the coordinator
+        self.operator_digest = operator_digest      # lets the operator read checksums and group names
         self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self.handles: list = []                     # actor handles, index = rank (None while missing)
         self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
@@ -118,7 +120,7 @@ class ShardSet:
             handles = [self._new_shard(i) for i in range(cfg.num_shards)]
             self.handles = handles
             try:
-                infos = ray.get([h.info.remote() for h in handles], timeout=cfg.start_timeout_s)
+                infos = ray.get([h.info.remote(self.secret) for h in handles], timeout=cfg.start_timeout_s)
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, CpattnError):
@@ -144,7 +146,7 @@ class ShardSet:
             handle, info = None, {"bundle_index": bundle, "rank": rank}
             try:
                 handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
-                info = dict(ray.get(handle.info.remote(), timeout=cfg.rpc_timeout_s), rank=rank)
+                info = dict(ray.get(handle.info.remote(self.secret), timeout=cfg.rpc_timeout_s), rank=rank)
                 if not info.get("ready", True):
                     self.lost[rank] = "a replacement whose refill had not finished when the coordinator restarted"
             except Exception as exc:   # gone while the coordinator was down: the health check replaces it
@@ -163,14 +165,14 @@ class ShardSet:
             # Detached and named: the shards (and their KV) outlive a coordinator restart.
             options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
                        "lifetime": "detached"}
-        return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(ShardWorker).options(
+        return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(RemoteShard).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=cfg.max_open_steps + SHARD_THREAD_HEADROOM,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
-            **options).remote(cfg, bundle_index, self._backend_registry, self.secret, ready)
+            **options).remote(cfg, bundle_index, self._backend_registry, self.secret, ready, self.operator_digest)
 
     def check(self, timeout_s: float) -> dict[int, str]:
         """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
-        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote()
+        refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote(self.secret)
                 for h in list(self.handles)]
         deadline = time.monotonic() + timeout_s
         for rank, ref in enumerate(refs):
@@ -205,7 +207,7 @@ class ShardSet:
         while True:
             new = self._new_shard(self.infos[rank]["bundle_index"], ready=False)   # ready once refilled
             try:
-                return new, dict(ray.get(new.info.remote(), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
+                return new, dict(ray.get(new.info.remote(self.secret), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
             except ray.exceptions.RayActorError:
                 if time.monotonic() > deadline:
                     raise

@@ -8,6 +8,8 @@ million-token sequence costs memory only when such a sequence exists.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from cpattn.errors import InvalidRequestError
@@ -25,8 +27,9 @@ class BlockTable:
         self.max_rows = max_rows
         self.max_blocks_per_row = max_blocks_per_row
         self.rows_RW = torch.full((min(max_rows, 16), min(max_blocks_per_row, 64)), PAD_BLOCK_ID, dtype=torch.int64)
-        self.num_blocks = [0] * max_rows
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        # Compact (8 bytes a row each): the coordinator keeps max_sequences rows per shard for its lifetime.
+        self.num_blocks = array("q", bytes(8 * max_rows))
+        self._free_rows = array("q", range(max_rows - 1, -1, -1))
 
     def _grow(self, rows: int, width: int) -> None:
         old_r, old_w = self.rows_RW.shape

@@ -45,6 +45,12 @@ def _add_target_flags(p: argparse.ArgumentParser, address_help: str) -> None:
     p.add_argument("--address", default=None, help=address_help)
 
 
+def _add_operator_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--operator-credential", default=None, metavar="CREDENTIAL",
+                   help="the credential `cpattn serve` printed (default: CPATTN_OPERATOR_CREDENTIAL, else the file "
+                        "serve wrote on this machine, ~/.cpattn/operators/...)")
+
+
 def _add_service_flags(p: argparse.ArgumentParser) -> None:
     """One --flag per ServiceConfig field; values are strings that pydantic validates (and names on error)."""
     from cpattn.config import ServiceConfig
@@ -82,10 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "kernel version.")
     _add_target_flags(status, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
     status.add_argument("--json", action="store_true", help="print the raw description and stats as JSON")
+    _add_operator_flag(status)
 
     stop = sub.add_parser("stop", help="stop a service (shards, placement group, coordinator)",
                           description="Stop a running service and release its KV memory and placement group.")
     _add_target_flags(stop, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
+    _add_operator_flag(stop)
 
     submit = sub.add_parser(
         "submit", help="run a script as a Ray job, with this directory as its working_dir",

@@ -26,17 +26,20 @@ def serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     import ray
 
+    from cpattn.cluster.authority import new_operator_credential
     from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
     from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
+    from cpattn.launch import operator
 
     check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
     embedded = cfg.ray_address is None and not ray.is_initialized()
     if embedded and os.environ.get(AUTH_MODE_ENV) is None:
         use_token_auth()   # what ray.init() does for a new local instance, minus its banner on every serve
     started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
+    operator_credential = new_operator_credential()
     try:
-        coordinator = launch_coordinator(cfg)
-        described = ray.get(coordinator.describe.remote(), timeout=cfg.rpc_timeout_s)
+        coordinator = launch_coordinator(cfg, operator_credential)
+        described = ray.get(coordinator.describe.remote(operator_credential), timeout=cfg.rpc_timeout_s)
     except BaseException:
         if started_ray:
             ray.shutdown()
@@ -47,6 +50,10 @@ def serve(args: argparse.Namespace) -> int:
     print(f"cpattn service {cfg.name!r} (namespace {cfg.namespace!r}) is up: {len(shards)} shards on "
           f"{len(nodes)} node(s), backend {first['backend']} ({first['kernel_version']}), device {first['device']}, "
           f"{first['num_blocks']} blocks of {cfg.block_size} tokens per shard", flush=True)
+    path = operator.credential_path(ray.get_runtime_context().gcs_address, cfg.namespace, cfg.name)
+    operator.save(path, operator_credential)
+    print(f"operator credential (shown once; `cpattn stop` and `cpattn status` on this machine read it from {path}, "
+          f"elsewhere pass --operator-credential or set {operator.ENV}): {operator_credential}", flush=True)
     if not embedded:
         flags = target_flags(cfg, None if cfg.ray_address == "auto" else cfg.ray_address)
         print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}); "
@@ -60,7 +67,7 @@ def serve(args: argparse.Namespace) -> int:
     flags = target_flags(cfg, address)
     print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}, address={address!r})",
           flush=True)
-    return EmbeddedServer(coordinator, cfg).run(
+    return EmbeddedServer(coordinator, cfg, operator_credential).run(
         f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status{flags}`, "
         f"`cpattn stop{flags}`; use --address to run on a cluster that outlives this process)")
 
@@ -92,10 +99,11 @@ class EmbeddedServer:
     STOP_TIMEOUT_S = 5.0
     SHUTDOWN_TIMEOUT_S = 10.0
 
-    def __init__(self, coordinator, cfg: ServiceConfig):
+    def __init__(self, coordinator, cfg: ServiceConfig, operator_credential: str):
         import ray
 
         self.coordinator = coordinator
+        self.operator_credential = operator_credential
         self.cfg = cfg
         self.node = ray._private.worker._global_node
         self.workers: dict[int, object] = {}   # pid -> psutil.Process of the raylet's children
@@ -172,7 +180,8 @@ class EmbeddedServer:
         from cpattn.cluster.service import stop_coordinator
 
         try:
-            stop_coordinator(self.coordinator, min(self.cfg.rpc_timeout_s, self.STOP_TIMEOUT_S), self.cfg)
+            stop_coordinator(self.coordinator, min(self.cfg.rpc_timeout_s, self.STOP_TIMEOUT_S), self.cfg,
+                             self.operator_credential)
         except Exception as exc:   # reported; the main thread still takes the instance down
             print(f"stopping the service failed: {exc}", file=sys.stderr, flush=True)
 

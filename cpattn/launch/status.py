@@ -10,16 +10,25 @@ from cpattn.launch.common import attach, detach
 _STATUS_TIMEOUT_S = 30.0
 
 
-def gather_status(name: str, namespace: str) -> dict:
+def gather_status(name: str, namespace: str, operator_credential: str) -> dict:
     """The coordinator's description (config, shards) and live stats (blocks, sequences) of one service."""
-    import ray
-
+    from cpattn.cluster.rpc import call
     from cpattn.cluster.service import find_coordinator
 
     coordinator = find_coordinator(name, namespace)
-    described, stats = ray.get([coordinator.describe.remote(), coordinator.stats.remote(None, True)],   # admin view
-                               timeout=_STATUS_TIMEOUT_S)
+    described = call(coordinator.describe.remote(operator_credential), _STATUS_TIMEOUT_S, "describe")
+    stats = call(coordinator.stats.remote(operator_credential, True), _STATUS_TIMEOUT_S, "stats")   # admin view
     return {"describe": described, "stats": stats}
+
+
+def _operator_credential(args: argparse.Namespace, name: str, namespace: str):
+    """(credential, the file serve saved it in): flag, else environment, else that file."""
+    import ray
+
+    from cpattn.launch import operator
+
+    path = operator.credential_path(ray.get_runtime_context().gcs_address, namespace, name)
+    return operator.find(getattr(args, "operator_credential", None), path, args.command), path
 
 
 def format_status(status: dict) -> str:
@@ -57,7 +66,7 @@ def status(args: argparse.Namespace) -> int:
     name, namespace = args.name or "cpattn", args.namespace or "cpattn"
     connected = attach(args.address, namespace)
     try:
-        result = gather_status(name, namespace)
+        result = gather_status(name, namespace, _operator_credential(args, name, namespace)[0])
     finally:
         detach(connected)
     print(json.dumps(result, indent=2, default=str) if args.json else format_status(result))
@@ -69,16 +78,24 @@ def stop(args: argparse.Namespace) -> int:
 
     from cpattn.cluster.service import find_coordinator, stop_coordinator
     from cpattn.config import ServiceConfig
+    from cpattn.errors import AccessDeniedError
+    from cpattn.launch import operator
 
     name, namespace = args.name or "cpattn", args.namespace or "cpattn"
     connected = attach(args.address, namespace)
     try:
         coordinator = find_coordinator(name, namespace)
+        credential, path = _operator_credential(args, name, namespace)
         try:   # the config lets stop remove what a dead coordinator left (named shards, placement group)
-            config = ServiceConfig(**ray.get(coordinator.describe.remote(), timeout=_STATUS_TIMEOUT_S)["config"])
+            config = ServiceConfig(**ray.get(coordinator.describe.remote(credential), timeout=_STATUS_TIMEOUT_S)["config"])
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, AccessDeniedError):
+                raise exc.cause from None
+            config = None
         except Exception:
             config = None
-        stop_coordinator(coordinator, _STATUS_TIMEOUT_S, config)
+        stop_coordinator(coordinator, _STATUS_TIMEOUT_S, config, credential)
+        operator.forget(path)
     finally:
         detach(connected)
     print(f"stopped cpattn service {name!r} (namespace {namespace!r})")

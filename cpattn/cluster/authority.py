@@ -1,0 +1,175 @@
+"""Who may call which remote method of the coordinator and of the shards (issue 20).
+
+Ray lets any process connected to the cluster call any method of an actor, private ones included. So the
+actors Ray runs are *surfaces*: classes built here that hold the real object and expose only the methods
+in a table, each checking its caller's proof before delegating:
+
+- the **shard secret**: the coordinator's own calls to its shards (KV copies, plans, fencing, pings);
+- a **client credential** (``connect()`` gets one): its own sequences, steps and data-plane groups only;
+- a group **ticket** (issued by the coordinator to a client for a group named after it);
+- the **operator credential**: made when the service starts (``cpattn.start`` keeps it in
+  ``Service.operator_credential``, ``cpattn serve`` prints it once), kept by the actors only as a SHA-256:
+  stopping the service, admin stats, and reading what spans tenants (KV checksums, group names).
+
+The tables below are the whole remote API (README "Security" prints them); tests call every entry as a
+stranger and expect a refusal.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import inspect
+import secrets
+from dataclasses import dataclass
+
+from cpattn.errors import AccessDeniedError
+
+
+@dataclass(frozen=True)
+class Rule:
+    who: str
+    """Who may call (one of the constants below)."""
+    proof: str | None
+    """The parameter carrying the proof (None: open)."""
+
+
+OPEN = "anyone connected: how a client gets its credential"
+CLIENT = "a client, by its credential (its own sequences, steps and groups only)"
+CLIENT_OR_OPERATOR = "a client (by its credential) or the operator"
+OPERATOR = "the operator (operator credential)"
+SECRET = "the coordinator (shard secret)"
+SECRET_OR_OPERATOR = "the coordinator or the operator"
+TICKET = "a client with a coordinator-issued ticket for its own group"
+PLAN = "the coordinator (a plan carrying the shard secret)"
+TEST_HOOK = "the coordinator or the operator, and only when the service was started with test_hooks=True"
+
+COORDINATOR_METHODS: dict[str, Rule] = {
+    "register_client": Rule(OPEN, None),
+    "renew": Rule(CLIENT, "credential"),
+    "unregister_client": Rule(CLIENT, "credential"),
+    "group_ticket": Rule(CLIENT, "credential"),
+    "add_sequence": Rule(CLIENT, "credential"),
+    "free": Rule(CLIENT, "credential"),
+    "list_sequences": Rule(CLIENT, "credential"),
+    "sequence_length": Rule(CLIENT, "credential"),
+    "begin_step": Rule(CLIENT, "credential"),
+    "end_step": Rule(CLIENT, "credential"),
+    "fill_synthetic": Rule(CLIENT, "credential"),
+    "get_shards": Rule(CLIENT_OR_OPERATOR, "credential"),
+    "describe": Rule(CLIENT_OR_OPERATOR, "credential"),
+    "stats": Rule(CLIENT_OR_OPERATOR, "credential"),   # admin=True: the operator only
+    "start": Rule(OPERATOR, "operator_credential"),
+    "shutdown": Rule(OPERATOR, "operator_credential"),
+}
+
+SHARD_METHODS: dict[str, Rule] = {
+    "info": Rule(SECRET_OR_OPERATOR, "secret"),
+    "ping": Rule(SECRET_OR_OPERATOR, "secret"),
+    "mark_ready": Rule(SECRET, "secret"),
+    "read_blocks": Rule(SECRET, "secret"),
+    "write_blocks": Rule(SECRET, "secret"),
+    "fence": Rule(SECRET, "secret"),
+    "drop_client": Rule(SECRET, "secret"),
+    "kv_checksum": Rule(SECRET_OR_OPERATOR, "secret"),
+    "get_kv_scales": Rule(SECRET_OR_OPERATOR, "secret"),
+    "group_names": Rule(SECRET_OR_OPERATOR, "secret"),
+    "simulate_hang": Rule(TEST_HOOK, "secret"),
+    "export_kv": Rule(TICKET, "ticket"),
+    "join_group": Rule(TICKET, "ticket"),
+    "leave_group": Rule(TICKET, "ticket"),
+    "run_step": Rule(PLAN, "plan"),
+    "fill_synthetic": Rule(PLAN, "plan"),
+}
+
+
+def new_operator_credential() -> str:
+    """256 bits; whoever starts the service keeps it (the actors keep only ``digest`` of it)."""
+    return secrets.token_urlsafe(32)
+
+
+def digest(credential: str) -> str:
+    """Credentials are kept (and journalled) only as hashes."""
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+def matches_digest(proof, expected_digest: str | None) -> bool:
+    return (expected_digest is not None and isinstance(proof, str)
+            and hmac.compare_digest(digest(proof), expected_digest))
+
+
+def matches_secret(proof, secret: str | None) -> bool:
+    return isinstance(proof, str) and secret is not None and hmac.compare_digest(proof, secret)
+
+
+def refuse(who: str, method: str, fix: str) -> AccessDeniedError:
+    return AccessDeniedError(f"{who}: {method} refused: {fix}")
+
+
+def remote_surface(impl_cls: type, table: dict[str, Rule], name: str, module: str) -> type:
+    """A class exposing only ``table``'s methods of ``impl_cls``; each calls ``impl.authorize(rule, proof,
+    arguments, method)`` (which raises AccessDeniedError) before delegating. Ray runs the surface."""
+
+    def __init__(self, *args, **kwargs):
+        self._impl = impl_cls(*args, **kwargs)
+
+    namespace = {"__init__": __init__, "__doc__": f"The remote surface of {impl_cls.__name__} (cluster.authority)."}
+    for method, rule in table.items():
+        namespace[method] = _guarded(impl_cls, method, rule)
+    surface = type(name, (), namespace)
+    surface.__module__ = module
+    surface.__qualname__ = name
+    return surface
+
+
+def _guarded(impl_cls: type, method: str, rule: Rule):
+    impl_fn = getattr(impl_cls, method)
+    signature = inspect.signature(impl_fn)
+
+    @functools.wraps(impl_fn)
+    def call(self, *args, **kwargs):
+        impl = self._impl
+        try:
+            bound = signature.bind(impl, *args, **kwargs)
+        except TypeError as exc:
+            raise AccessDeniedError(f"{method}: {exc}") from None
+        bound.apply_defaults()
+        proof = bound.arguments.get(rule.proof) if rule.proof else None
+        impl.authorize(rule, proof, bound.arguments, method)
+        return impl_fn(impl, *args, **kwargs)
+
+    return call
+
+
+# Group tickets -------------------------------------------------------------------------------------
+# ``client_id|issued_at|HMAC(secret, group|client_id|issued_at)``: a shard checks it without asking the
+# coordinator. A ticket admits one join (the shard remembers the tickets it admitted), within
+# ``ttl_s`` of its issue (client_lease_s: a ticket never outlives the lease it was issued under), and never
+# after its client ended (the coordinator tells every shard when, in drop_client).
+
+def make_ticket(secret: str, group_name: str, client_id: str, issued_at: float) -> str:
+    stamp = f"{issued_at:.6f}"
+    return f"{client_id}|{stamp}|{_ticket_mac(secret, group_name, client_id, stamp)}"
+
+
+def _ticket_mac(secret: str, group_name: str, client_id: str, stamp: str) -> str:
+    return hmac.new(secret.encode(), f"{group_name}|{client_id}|{stamp}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Ticket:
+    client_id: str
+    issued_at: float
+
+
+def read_ticket(secret: str, group_name, ticket) -> Ticket | None:
+    """The ticket's client and issue time when it is genuine for ``group_name``, else None."""
+    if not isinstance(ticket, str) or not isinstance(group_name, str) or ticket.count("|") != 2:
+        return None
+    client_id, stamp, mac = ticket.split("|")
+    if not group_name.startswith(f"{client_id}-"):
+        return None
+    if not hmac.compare_digest(mac, _ticket_mac(secret, group_name, client_id, stamp)):
+        return None
+    return Ticket(client_id, float(stamp))
