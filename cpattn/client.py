@@ -102,6 +102,7 @@ class Service:
     def free(self, seq_id: str) -> None:
         self._check_open()
         self.gateway.call("free", canonical_id(seq_id))
+        self.gateway.pages.forget(canonical_id(seq_id))
 
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+import torch
 
 from cpattn.cluster import authority
 from cpattn.cluster.authority import digest as _digest
@@ -29,6 +30,7 @@ from cpattn.cluster.lease import ON_LAPSE
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard_set import CONTROL_GROUP, ShardSet
+from cpattn.cluster.page_delta import row_deltas
 from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
 from cpattn.errors import (AccessDeniedError, CapacityError, CpattnError, InvalidRequestError, ServiceError,
@@ -46,6 +48,7 @@ class Sequence:
     in_step: int | None = None
     persisted_pages: int = -1   # pages the journal holds for this sequence (-1: none yet)
     last_step: int = 0          # the step that committed ``length`` (journalled with it)
+    pages_version: int = 0      # +1 whenever pages a client may hold are taken back (cluster/page_delta.py)
 
 
 @dataclass
@@ -406,6 +409,13 @@ class Coordinator:
             logger.warning("client %s ended: %s; rolled back %d open step(s), freed %d sequence(s)", client_id, why,
                            len(rolled_back), len(freed))
 
+    def _pages_taken_back(self, seq_ids: list[str]) -> None:
+        """A rolled-back step's pages return to the pool: clients holding them must get whole rows again."""
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                seq.pages_version += 1
+
     def _roll_back_open_step(self, step: OpenStep) -> None:
         """Under the lock: close an open step without committing (its pages return)."""
         self.steps.pop(step.step_id, None)
@@ -414,6 +424,7 @@ class Coordinator:
             if seq is not None and seq.in_step == step.step_id:
                 seq.in_step = None
         self.allocator.undo(step.growth)
+        self._pages_taken_back(step.seq_ids)
         self.num_steps_rolled_back += 1
         self.metrics.record_rollback()
         if step.refs:
@@ -481,11 +492,12 @@ class Coordinator:
 
     # Steps ----------------------------------------------------------------------------------------
     def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None,
-                   local_ranks: list[int] | tuple[int, ...] = ()) -> dict:
+                   local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None) -> dict:
         """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
         ``local_ranks``: shards on the client's GPU, whose share the client computes itself on their
-        KV cache (opened by CUDA IPC); their plans come back in the reply instead of going to them.
+        KV cache (opened by CUDA IPC); their plans come back in the reply instead of going to them, with
+        block tables as deltas against ``held`` ({seq_id: {rank: (version, pages)}}, cluster/page_delta.py).
         A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
         (nothing planned) and rebuilds its group first.
         """
@@ -549,11 +561,24 @@ class Coordinator:
         step.refs = [h.run_step.remote(group_name, plan) for rank, (h, plan) in enumerate(zip(shards, plans))
                      if rank not in local]
         step.plan_s = time.perf_counter() - t0
+        local_plans, local_pages = {}, {}
+        for r in local:
+            local_pages[r] = self._page_deltas(r, seqs, plans[r].metadata.block_table_tensor, held)
+            md = dataclasses.replace(plans[r].metadata, block_table_tensor=torch.empty(len(seqs), 0, dtype=torch.int64))
+            # The shard secret stays with the shards: the client computes those ranks, it never calls them.
+            local_plans[r] = dataclasses.replace(plans[r], auth=None, metadata=md)
         return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
                 "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch,
-                # The shard secret stays with the shards: the client computes those ranks, it never calls them.
-                "local_plans": {r: dataclasses.replace(plans[r], auth=None) for r in local},
+                "local_plans": local_plans, "local_pages": local_pages,
                 "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+
+    def _page_deltas(self, rank: int, seqs: list[Sequence], table_BW: torch.Tensor, held) -> list:
+        """The rank's block-table rows as deltas against what the client says it holds (page_delta.py)."""
+        held = held if isinstance(held, dict) else {}
+        claims = [held.get(s.seq_id) for s in seqs]
+        claims = [c.get(rank) if isinstance(c, dict) else None for c in claims]
+        pages = [self.allocator.tables[rank].num_blocks[s.rows.primary[rank]] for s in seqs]
+        return row_deltas(table_BW, pages, [s.pages_version for s in seqs], claims)
 
     def _publish_blocks_used(self) -> None:
         for rank in range(self.config.num_shards):
@@ -677,6 +702,7 @@ class Coordinator:
                 self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
             else:
                 self.allocator.undo(step.growth)
+                self._pages_taken_back(step.seq_ids)
                 self.num_steps_rolled_back += 1
                 if failure is not None and step.refs:
                     self._draining.append(list(step.refs))

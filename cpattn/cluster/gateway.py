@@ -32,6 +32,7 @@ from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireErro
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.netstore import make_bound_store
+from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
@@ -117,6 +118,7 @@ class Gateway:
         self.plane_broken = False      # a collective failed: rebuild the group before the next step
         self.local: dict[int, ShardLayerRunner] = {}
         self.local_graphs: dict[int, DecodeGraphs | None] = {}
+        self.pages = PageCache()   # pages of this client's sequences on its in-process shards
         self.remote: list[int] = []
         self.shards: list = []
         self.pending: PendingCommit | None = None
@@ -178,6 +180,7 @@ class Gateway:
         self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
         self._generation += 1   # a fresh group name on every (re)join
         self.plane_broken = False
+        self.pages.clear()      # a new epoch may have refilled shards: whole block tables again
         self._ticket = call(self.coordinator.group_ticket.remote(self.credential, self.group_name),
                             cfg.rpc_timeout_s, "group_ticket")   # proves this client's joins to the shards
         local_ranks = self._local_ranks(infos)
@@ -291,10 +294,13 @@ class Gateway:
         cfg = self.config
         if self.plane_broken:
             self.rejoin()
-        info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local),
+        held = self.pages.held(list(request), sorted(self.local)) if self.local else None
+        info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if "rejoin" in info:
             return None
+        for r, p in info["local_plans"].items():   # block tables came as deltas (cluster/page_delta.py)
+            p.metadata.block_table_tensor = self.pages.apply(r, info["seq_ids"], info["local_pages"][r])
         local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info["local_plans"].items()}
         remote_rows = {r: (None if rows is None else rows.to(self.device))
                        for r, rows in info["remote_rows"].items()}
