@@ -184,6 +184,10 @@ class Step:
             raise InvalidRequestError(f"layer {layer!r} out of range: use an int in 0..{cfg.num_layers - 1}")
         if layer in self._attended:
             raise InvalidRequestError(f"layer {layer} was already attended in this step: each layer once per step")
+        if self._gw.runs_ahead and layer != len(self._attended):
+            # Shards reached over NCCL enqueue the step's layers in order without waiting for each message.
+            raise InvalidRequestError(f"layer {layer} attended before layer {len(self._attended)}: with shards reached "
+                                      "over NCCL a step attends its layers in order 0, 1, ... (as a model runs them)")
         for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
             if not isinstance(x, torch.Tensor):
                 raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -293,7 +297,7 @@ class Step:
             # After the last layer the shards have already left the step: an ABORT then would be read
             # as the next step's first layer and desynchronise the group.
             if len(self._attended) < gw.config.num_layers:
-                gw.abort_wire(self._wire)
+                gw.abort_wire(self._wire, gw.config.num_layers - len(self._attended))
         except Exception as wire_exc:
             why = f"data plane: {type(wire_exc).__name__}: {wire_exc}"
         self._close("rolled_back")

@@ -115,6 +115,17 @@ class DataPlane:
         packed = message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size)
         return (command, layer, step_id, t), packed.to(device, non_blocking=True)
 
+    def recv_layer_ahead(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """NCCL: like recv_layer, but the header stays on the device (int64 [4], read once per step by the
+        caller), so nothing here waits on the host: later layers can be enqueued behind this one."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        message = torch.empty(HEADER_BYTES + num_tokens * num_heads * head_size * itemsize, dtype=torch.uint8,
+                              device=device)
+        self.broadcast(message)
+        return (message[:HEADER_BYTES].view(torch.int64),
+                message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size))
+
     def send_partial(self, out_RQD: torch.Tensor, lse_RQ: torch.Tensor, tag: int) -> None:
         """A shard: its computed rows to rank 0 as one message (out bytes | lse bytes | int64 tag)."""
         tag_bytes = torch.tensor([tag], dtype=torch.int64).view(torch.uint8).to(out_RQD.device, non_blocking=True)

@@ -336,14 +336,34 @@ class Gateway:
             return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
         return merge_rows(parts, wire.num_tokens, sinks_Q)
 
-    def abort_wire(self, wire: StepWire) -> None:
-        """Release the remote shards still waiting for this step's layers (same message size as a layer)."""
+    def abort_wire(self, wire: StepWire, remaining: int) -> None:
+        """Release the remote shards still waiting for this step's ``remaining`` layers (messages of a layer's size).
+
+        gloo shards read each header, so one ABORT ends their step. NCCL shards enqueued every layer ahead
+        (shard._serve_layers_ahead): each remaining layer gets its ABORT message, and the partials they
+        compute from it are drained, so no operation is left waiting on either side.
+        """
         if self.plane is None:
             return
         cfg = self.config
-        unused = torch.empty(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
+        unused = torch.zeros(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
                              dtype=cfg.torch_dtype, device=self.device)
-        self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+        if not self.runs_ahead:
+            self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+            return
+        for _ in range(remaining):
+            self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+            for i, r in enumerate(self.remote):
+                if r in wire.remote_rows:
+                    rows = wire.remote_rows[r]
+                    n = wire.num_tokens if rows is None else rows.numel()
+                    self.plane.recv_partial(i + 1, n, cfg.num_q_heads, cfg.head_size, cfg.torch_dtype,
+                                            lse_wire_dtype(cfg.torch_dtype), self.device, 0)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Remote shards enqueue a step's layers ahead (NCCL): the step must attend layers in order."""
+        return self.plane is not None and self.plane.backend == "nccl"
 
     def close(self) -> None:
         """End this client (its sequences stay); the service keeps running."""

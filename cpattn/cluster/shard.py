@@ -388,7 +388,50 @@ class ShardWorker:
         finally:
             self._fence.leave()   # fencing: this thread writes no more
 
+    def _serve_layers_ahead(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
+        """NCCL: every layer of the step enqueued at once, in order 0..L-1, without waiting for its message.
+
+        NCCL operations are stream-ordered, so the GPU waits for each layer's message and the host does not:
+        the shard's kernels start the moment a message lands instead of after a host round trip per layer.
+        The client attends layers in order (Step enforces it on NCCL) and, when it stops early, sends every
+        remaining message marked ABORT and drains their partials; the headers are read once, at the end.
+        A coordinator restart's fence() waits until these launched writes have landed (cuda synchronize).
+        """
+        plan = planned.plan
+        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
+        while self._hang:
+            time.sleep(0.05)
+        if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
+            return self._refuse_fenced(plane, plan, timings)
+        a0 = time.perf_counter()
+        headers = []
+        try:
+            for layer in range(self.config.num_layers):
+                header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+                headers.append(header)
+                out, lse = self.runner.run_layer(planned, layer, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:])
+                if plan.num_rows:
+                    plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
+        finally:
+            self._fence.leave()   # every write is launched; fence() waits for them on the device
+        a1 = time.perf_counter()
+        got = torch.stack(headers).tolist()   # the one host wait of the step: until its last message
+        timings["attention_s"] += a1 - a0
+        timings["wire_s"] += time.perf_counter() - a1
+        timings["layers"] += sum(1 for h in got if h[0] == CMD_ATTEND)
+        for layer, (command, h_layer, step_id, num_tokens) in enumerate(got):
+            if command == CMD_ABORT:
+                timings["outcome"] = "abort"
+                return timings
+            if command != CMD_ATTEND or step_id != plan.step_id or num_tokens != plan.num_tokens or h_layer != layer:
+                raise CpattnError(f"shard {self.bundle_index}: unexpected header {(command, h_layer, step_id, num_tokens)}"
+                                  f" for layer {layer} of step {plan.step_id} ({plan.num_tokens} tokens)")
+        timings["outcome"] = "served"
+        return timings
+
     def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
+        if plane.backend == "nccl":
+            return self._serve_layers_ahead(plane, planned, timings)
         plan = planned.plan
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         t = plan.num_tokens

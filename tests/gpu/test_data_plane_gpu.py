@@ -104,6 +104,43 @@ def test_two_gpus_local_plus_nccl(ray_session, backend):
 
 
 @_needs_gpus(2)
+def test_two_gpus_nccl_step_stopped_early_or_out_of_order_changes_nothing(ray_session):
+    """NCCL shards run a step's layers ahead: a step left after layer 0 (an exception in the caller's code) and
+    a step attending layer 1 first are rolled back, the shard's enqueued layers are released, and the decode
+    steps after them (graphed on both GPUs) stay exact."""
+    import cpattn
+    from cpattn.errors import InvalidRequestError
+
+    cfg = _config(num_shards=2, num_gpus_per_shard=1, backend="TRITON")
+    svc = cpattn.start(cfg)
+    try:
+        assert svc.gateway.runs_ahead
+        oracle, ids, _ = _run_checked(svc, cfg, requests=REQUESTS[:2])
+        request = {ids["a"]: 1, ids["b"]: 1, ids["c"]: 1}
+        q, k, v = (x.cuda() for x in oracle.random_qkv(3))
+        with pytest.raises(RuntimeError, match="caller stopped"):
+            with svc.step(request) as step:
+                step.attend(0, q, k, v)
+                raise RuntimeError("caller stopped")
+        with pytest.raises(InvalidRequestError, match="in order"):
+            with svc.step(request) as step:
+                step.attend(1, q, k, v)
+        assert svc.sequences() == {ids[n]: oracle.length(ids[n]) for n in "abc"}
+        for _ in range(4):
+            pending = {}
+            with svc.step(request) as step:
+                for layer in range(cfg.num_layers):
+                    q, k, v = oracle.random_qkv(3)
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+                    pending.update(new_kv)
+            oracle.commit(pending)
+    finally:
+        svc.shutdown()
+
+
+@_needs_gpus(2)
 def test_two_gpus_shared_remote_gpu_uses_gloo(ray_session):
     """4 shards on 2 GPUs: two in-process on the client's GPU, two sharing the other GPU over gloo."""
     import cpattn
