@@ -50,6 +50,10 @@ def launch_coordinator(config: ServiceConfig):
     check_backend(config)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
                "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
+    if config.coordinator_resources:
+        options["resources"] = dict(config.coordinator_resources)   # e.g. a resource only the head has
+    if config.coordinator_label_selector:
+        options["label_selector"] = dict(config.coordinator_label_selector)
     if config.detached:
         # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
