@@ -52,6 +52,19 @@ class NetnsCluster:
         self.gcs_port = 6379
         self.address = f"{self.ips[0]}:{self.gcs_port}"
 
+    def spec(self) -> dict:
+        return {"ns": self.ns, "veth": self.veth, "ips": self.ips, "temp_dir": str(self.temp_dir), "token": self.token,
+                "address": self.address}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "NetnsCluster":
+        """The same cluster seen from another process (the driver in host a)."""
+        cluster = cls.__new__(cls)
+        cluster.ns, cluster.veth, cluster.ips = spec["ns"], spec["veth"], spec["ips"]
+        cluster.temp_dir, cluster.token, cluster.address = Path(spec["temp_dir"]), spec["token"], spec["address"]
+        cluster.gcs_port = int(spec["address"].rsplit(":", 1)[1])
+        return cluster
+
     # Network ------------------------------------------------------------------------------------
     def create(self) -> None:
         a, b = self.ns

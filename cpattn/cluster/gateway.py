@@ -199,8 +199,20 @@ class Gateway:
             joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend,
                                                       self._ticket)
                      for i, r in enumerate(self.remote)]
-            group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s,
-                                 bind_ip=host, interface=interface, explicit_interface=bool(cfg.data_plane_interface))
+            try:
+                group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s,
+                                     bind_ip=host, interface=interface,
+                                     explicit_interface=bool(cfg.data_plane_interface))
+            except CpattnError:
+                # The shards' joins fail as ours did, within their own deadline: collect them (unread errors get
+                # logged by Ray as unhandled) and report ours, which names the addresses.
+                ready, _ = ray.wait(joins, num_returns=len(joins), timeout=cfg.collective_timeout_s)
+                for ref in ready:
+                    try:
+                        ray.get(ref, timeout=0)
+                    except Exception:   # the same failure, seen from that shard
+                        pass
+                raise
             call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
             self._store = store   # the store must outlive the group
             self.plane = DataPlane(group, 0, world, backend)
