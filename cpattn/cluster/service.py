@@ -72,8 +72,10 @@ def launch_coordinator(config: ServiceConfig):
                 raise exc.cause from None
             raise exc.as_instanceof_cause() from None
         if isinstance(exc, ray.exceptions.GetTimeoutError):
+            steer = "".join(f"; {name} is {getattr(config, name)}: a node must offer it"
+                            for name in ("coordinator_resources", "coordinator_label_selector") if getattr(config, name))
             raise ServiceError(f"service {config.name!r} did not start within {config.start_timeout_s}s: "
-                               "check the cluster's free resources (ray status)") from None
+                               f"check the cluster's free resources (ray status){steer}") from None
         raise
     return coordinator
 
