@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn.cluster.netbind import use_nccl_interface
-from cpattn.errors import CpattnError, DataPlaneError
+from cpattn.errors import ConfigError, CpattnError, DataPlaneError
 
 class WireError(Exception):
     """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
@@ -79,7 +79,7 @@ def create_group(store: dist.Store, group_name: str, rank: int, world_size: int,
         return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
 
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"data plane backend {backend!r}: use gloo or nccl")
+        raise ConfigError(f"data plane backend {backend!r}: use gloo or nccl")
     return within_deadline(build, timeout_s, lambda why: _connect_error(prefix, group_name, rank, world_size,
                                                                         bind_ip, timeout_s, why))
 
