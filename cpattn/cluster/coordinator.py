@@ -39,7 +39,7 @@ logger = logging.getLogger("cpattn.coordinator")
 
 # A failed step ends within collective_timeout_s (the client's wire error) + this: the coordinator waits at most
 # this long for a lost shard's replacement (else the step ends with a ServiceError, the replacement goes on).
-END_STEP_SETTLE_S = 8.0
+END_STEP_SETTLE_S = 7.0
 END_STEP_PING_S = 2.0   # one round of pings within it
 SETTLE_POLL_S = 0.25
 
