@@ -210,7 +210,9 @@ class ShardSet:
 
     def _silent(self, rank: int, sent: float, what: str) -> str | None:
         """Why shard ``rank`` is lost once silent for shard_hang_timeout_s (since its first unanswered ping)."""
-        since = self._silent_since.setdefault(rank, sent)
+        # The earliest unanswered ping counts: the health thread's long ping may time out after a later, shorter
+        # one (end_step's) recorded its own send time.
+        since = self._silent_since[rank] = min(self._silent_since.get(rank, sent), sent)
         silent_s = time.monotonic() - since
         if silent_s < self.config.shard_hang_timeout_s:
             return None
