@@ -7,10 +7,11 @@ Every invalid value is rejected with the field, the value and the fix, e.g.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cpattn.errors import ConfigError
 
@@ -78,6 +79,20 @@ class ServiceConfig(BaseModel):
     """torch.distributed backend between a client and the shards it reaches over the wire: auto = NCCL
     when the client and each of those shards have a GPU of their own (tensors stay on the GPUs), gloo
     otherwise (CPU, or shards sharing a GPU: CUDA tensors are staged through the host)."""
+    data_plane_interface: str | None = None
+    """Network interface the data plane binds to on every node (e.g. eth1), for machines with several networks;
+    unset: each process binds to its node IP as Ray knows it (`ray start --node-ip-address`), never to what the
+    hostname resolves to (often 127.0.0.1 or 127.0.1.1). Sets NCCL_SOCKET_IFNAME for NCCL likewise."""
+    shard_resources: dict[str, float] = {}
+    """Extra Ray resources each shard's bundle asks for, e.g. {"cpattn_shard": 1} with `ray start --resources
+    '{"cpattn_shard": 1}'` on the nodes that may hold shards (one shard per such node when each has 1)."""
+    shard_label_selector: dict[str, str] = {}
+    """Node labels every shard's node must carry (`ray start --labels key=value`), e.g. {"cpattn/shards": "yes"}."""
+    coordinator_resources: dict[str, float] = {}
+    """Extra Ray resources of the coordinator actor, e.g. {"cpattn_coordinator": 1} with that resource given to
+    the head only (`ray start --head --resources ...`): the coordinator then runs on the head."""
+    coordinator_label_selector: dict[str, str] = {}
+    """Node labels the coordinator's node must carry (`ray start --labels`)."""
     local_shards: Literal["auto", "off"] = "auto"
     """auto: a client on a shard's GPU computes that shard's share in its own process, on the shard's KV
     cache opened by CUDA IPC (no hand-over between two processes on one GPU); off: every shard over the wire.
@@ -161,6 +176,20 @@ class ServiceConfig(BaseModel):
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
 
+    @field_validator("shard_resources", "shard_label_selector", "coordinator_resources", "coordinator_label_selector",
+                     mode="before")
+    @classmethod
+    def _mapping_from_json(cls, value: Any) -> Any:
+        """A mapping given as a string (a `cpattn serve --shard-resources '{"cpattn_shard": 1}'` flag) is JSON."""
+        if isinstance(value, str):
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a JSON mapping: write e.g. '{{\"cpattn_shard\": 1}}'") from None
+        return value
+
     @model_validator(mode="after")
     def _check_geometry(self) -> "ServiceConfig":
         if self.num_q_heads % self.num_kv_heads:
@@ -201,6 +230,7 @@ class ServiceConfig(BaseModel):
                                  f"{self.num_kv_heads}] (one K and one V scale per layer and kv head)")
             if not all(x > 0 and x < float("inf") for kv in self.kv_scales for h in kv for x in h):
                 raise ValueError("kv_scales must all be finite and > 0")
+        self._check_placement()
         if self.kv_replicas > self.num_shards:
             raise ValueError(
                 f"kv_replicas {self.kv_replicas} needs at least as many shards, num_shards is {self.num_shards}: "
@@ -226,6 +256,25 @@ class ServiceConfig(BaseModel):
                 f"bookkeeping in the coordinator ({BYTES_PER_BLOCK_ENTRY} bytes per block and "
                 f"{BYTES_PER_ROW_ENTRY} per sequence slot, per shard), more than the "
                 f"{COORDINATOR_BOOKKEEPING_BYTES // 2**30} GiB it may use: lower {field}")
+
+    def _check_placement(self) -> None:
+        """Placement and data-plane binding fields (issue 21)."""
+        name = self.data_plane_interface
+        if name is not None and not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", name):
+            raise ValueError(f"data_plane_interface {name!r} is not a network interface name (1-15 characters, e.g. "
+                             "eth1 or ens5; `ip -br addr` lists them): name one, or leave it unset to use the node IP")
+        for field_name in ("shard_resources", "coordinator_resources"):
+            for key, amount in getattr(self, field_name).items():
+                if key in ("CPU", "GPU", "memory") or not key:
+                    raise ValueError(f"{field_name} {key!r}: CPU and GPU come from num_cpus_per_shard / "
+                                     "num_gpus_per_shard; name custom resources here (ray start --resources)")
+                if not 0 < amount < float("inf"):
+                    raise ValueError(f"{field_name}[{key!r}] = {amount} must be > 0 (a resource amount)")
+        for field_name in ("shard_label_selector", "coordinator_label_selector"):
+            for key, value in getattr(self, field_name).items():
+                if not key or not value:
+                    raise ValueError(f"{field_name} {key!r}: {value!r}: keys and values must be non-empty label "
+                                     "strings, as given to `ray start --labels key=value`")
 
     # Derived values -------------------------------------------------------------------------------
     @property

@@ -87,3 +87,7 @@ class ServiceError(CpattnError):
 class StepFencedError(ServiceError):
     """A step begun before the coordinator restarted was fenced: the shards stopped writing its KV and it was
     rolled back (none of its tokens were committed); run the step again."""
+
+
+class DataPlaneError(ServiceError):
+    """A data-plane group could not connect within collective_timeout_s; the message names the addresses tried."""

@@ -39,6 +39,12 @@ from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllo
 
 logger = logging.getLogger("cpattn.coordinator")
 
+# A failed step ends within collective_timeout_s (the client's wire error) + this: the coordinator waits at most
+# this long for a lost shard's replacement (else the step ends with a ServiceError, the replacement goes on).
+END_STEP_SETTLE_S = 7.0
+END_STEP_PING_S = 2.0   # one round of pings within it
+SETTLE_POLL_S = 0.25
+
 @dataclass
 class Sequence:
     seq_id: str
@@ -294,6 +300,27 @@ class Coordinator:
             self._persist_meta()
         logger.warning("shard %d replaced (%s); %s", rank, why,
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
+
+    def _settle(self, deadline: float) -> None:
+        """After a failed step, until ``deadline``: wait for silent shards to answer or be declared lost, and for
+        lost ones to be replaced (in the background, as the health thread does). Returns early once settled."""
+        cfg = self.config
+        ping_s = min(cfg.rpc_timeout_s, cfg.shard_hang_timeout_s, END_STEP_PING_S)
+        while True:
+            lost = self.check_shards(timeout_s=max(0.1, min(ping_s, deadline - time.monotonic())))
+            if lost and not self._recovery_lock.locked():
+                threading.Thread(target=self._recover_quietly, daemon=True, name="cpattn-recover").start()
+            if not lost and not self.shard_set.silent:
+                return
+            if time.monotonic() + SETTLE_POLL_S > deadline:
+                return
+            time.sleep(SETTLE_POLL_S)
+
+    def _recover_quietly(self) -> None:
+        try:
+            self.recover()
+        except Exception:   # the health thread tries again
+            logger.exception("shard recovery failed")
 
     def _raise_if_unavailable(self, seq_ids: list[str], client_id: str | None = None) -> None:
         seq_ids = [canonical_id(s) for s in seq_ids]
@@ -665,7 +692,9 @@ class Coordinator:
         reports, failure = [], data_plane_error
         if failure is None:
             try:
-                reports = ray.get(step.refs, timeout=self.config.rpc_timeout_s)
+                # The client received every partial, so the shards' calls have ended or are about to: a call that
+                # does not return within a collective timeout is cut off (a partition), not waited for.
+                reports = ray.get(step.refs, timeout=min(self.config.rpc_timeout_s, self.config.collective_timeout_s))
                 broken = [r["error"] for r in reports if r.get("outcome") == "broken"]
                 if broken:
                     failure = f"data plane broke on a shard: {broken[0]}"
@@ -679,7 +708,7 @@ class Coordinator:
                 failure = f"a shard the client computed in-process was lost: {lost}"
         if failure is not None:
             commit = False
-            self.check_shards(timeout_s=min(self.config.rpc_timeout_s, self.config.shard_hang_timeout_s))
+            self._settle(time.monotonic() + END_STEP_SETTLE_S)
         with self._lock:
             if self.steps.get(step_id) is not step:   # rolled back meanwhile: the client's lease lapsed
                 raise InvalidRequestError(f"step {step_id} was rolled back: its client ended (closed, or its lease "
@@ -712,10 +741,25 @@ class Coordinator:
             return {"shard_plan_s": max((r.get("plan_s", 0.0) for r in reports), default=0.0),
                     "attention_s": max((r.get("attention_s", 0.0) for r in reports), default=0.0),
                     "shard_wire_s": max((r.get("wire_s", 0.0) for r in reports), default=0.0)}
+        silent = self.shard_set.silent
         if not self.shard_set.lost and step.epoch == self.epoch:
             self.metrics.record_error("ServiceError")
+            if silent:
+                raise ServiceError(
+                    f"step {step_id} failed and was rolled back: {failure}; shard(s) {sorted(silent)} have not answered "
+                    f"for {max(silent.values()):.0f}s (a network partition?) and are replaced only after "
+                    f"shard_hang_timeout_s={self.config.shard_hang_timeout_s:g}s; no KV was lost: run the step again "
+                    "once they answer")
             raise ServiceError(f"step {step_id} failed and was rolled back: {failure}; no shard was lost: run the step "
                                "again (the client rebuilds its data-plane group first)")
+        if self.shard_set.lost:   # not replaced within END_STEP_SETTLE_S: its node is unreachable or full
+            lost = dict(self.shard_set.lost)
+            self.metrics.record_error("ServiceError")
+            raise ServiceError(
+                f"step {step_id} failed and was rolled back: {failure}; shard(s) {sorted(lost)} were lost "
+                f"({'; '.join(lost.values())}) and are being replaced (a replacement starts once its node is reachable "
+                "again): run the step again; the next step waits for the replacement. With kv_replicas=2 the "
+                "replacement is refilled from the replicas; with 1, sequences that had KV there raise ShardLostError")
         self.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
         with self._lock:
             # Sequences dropped while in this step are released now that the step is closed.

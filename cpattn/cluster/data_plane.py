@@ -23,9 +23,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+from cpattn.cluster.netbind import use_nccl_interface
+from cpattn.errors import ConfigError, CpattnError, DataPlaneError
 
 class WireError(Exception):
     """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
@@ -48,20 +53,97 @@ def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s
 
 
 def create_group(store: dist.Store, group_name: str, rank: int, world_size: int, backend: str,
-                 timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
-    """A process group over ``store`` namespaced by ``group_name``; blocks until every rank joins."""
+                 timeout_s: float, device: torch.device | None = None, *, bind_ip: str,
+                 interface: str | None = None, explicit_interface: bool = False) -> dist.ProcessGroup:
+    """A process group over ``store`` namespaced by ``group_name``; blocks until every rank joins.
+
+    This rank binds to ``bind_ip`` (cluster.netbind says which); a group that does not connect within
+    ``timeout_s`` raises DataPlaneError naming the addresses (gloo alone would wait 5 x timeout_s).
+    """
     prefix = dist.PrefixStore(f"cpattn/{group_name}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    if backend == "nccl":
+
+    def build() -> dist.ProcessGroup:
+        prefix.set(f"address/{rank}", bind_ip)   # for the error message of a rank that cannot connect
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_ip)]
+            return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
         # A dead peer must surface as an error in this process, not end it: abort the communicator
         # after the timeout and let the waiting call raise (the default tears the process down).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        use_nccl_interface(interface, explicit_interface)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    raise ValueError(f"data plane backend {backend!r}: use gloo or nccl")
+
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"data plane backend {backend!r}: use gloo or nccl")
+    return within_deadline(build, timeout_s, lambda why: _connect_error(prefix, group_name, rank, world_size,
+                                                                        bind_ip, timeout_s, why))
+
+
+def connect_group(host: str, port: int, group_name: str, rank: int, world_size: int, backend: str,
+                  timeout_s: float, *, bind_ip: str, interface: str | None = None,
+                  explicit_interface: bool = False) -> dist.ProcessGroup:
+    """A non-zero rank: reach rank 0's store at host:port, then join the group, all within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+
+    def reach() -> dist.Store:
+        return make_store(host, port, world_size, False, timeout_s)
+
+    store = within_deadline(reach, timeout_s, lambda why: DataPlaneError(
+        f"data-plane group {group_name}: rank {rank} (bound to {bind_ip}) could not reach the client's rendezvous "
+        f"at {host}:{port} within collective_timeout_s={timeout_s:g}s ({why}): the client's node IP must be "
+        "reachable from every shard's node on any TCP port, or set data_plane_interface to the interface of the "
+        "network they share"))
+    return create_group(store, group_name, rank, world_size, backend, max(0.1, deadline - time.monotonic()),
+                        bind_ip=bind_ip, interface=interface, explicit_interface=explicit_interface)
+
+
+def within_deadline(fn, timeout_s: float, error):
+    """``fn()`` in a helper thread (torch's connect calls release the GIL), given up after ``timeout_s``;
+    a failure or the deadline raises ``error(why)``. A call given up on ends by itself on gloo's own timeout."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:   # reported in the caller's thread below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name="cpattn-data-plane-connect")
+    thread.start()
+    thread.join(timeout_s)
+    if "value" in result:
+        return result["value"]
+    if isinstance(result.get("error"), CpattnError):
+        raise result["error"]
+    why = _one_line(result["error"]) if "error" in result else "timed out"
+    raise error(why) from result.get("error")
+
+
+def _connect_error(prefix: dist.Store, group_name: str, rank: int, world_size: int, bind_ip: str, timeout_s: float,
+                   why: str) -> DataPlaneError:
+    peers = []
+    for r in range(world_size):
+        key = f"address/{r}"
+        try:
+            address = prefix.get(key).decode() if r != rank and prefix.check([key]) else None
+        except Exception:   # the store itself is gone: name the ranks only
+            address = None
+        if r != rank:
+            peers.append(f"rank {r} at {address or 'an unknown address (it never joined)'}")
+    return DataPlaneError(
+        f"data-plane group {group_name}: rank {rank} (bound to {bind_ip}) could not connect to {', '.join(peers)} "
+        f"within collective_timeout_s={timeout_s:g}s ({why}): check that these nodes reach each other on those "
+        "addresses (any TCP port), or set data_plane_interface to the interface of the network they share")
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
 
 
 class DataPlane:

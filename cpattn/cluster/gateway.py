@@ -31,6 +31,7 @@ from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
+from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
@@ -204,12 +205,27 @@ class Gateway:
         if self.remote:
             backend = choose_data_plane(cfg, self.device, [infos[r] for r in self.remote])
             world = len(self.remote) + 1
-            host = ray.util.get_node_ip_address()
-            store = make_bound_store(host, world, cfg.collective_timeout_s)   # listens on the node IP only
+            # The store and this rank's device on the node IP (or data_plane_interface's address), never on
+            # whatever the hostname resolves to (netbind).
+            host, interface = bind_address(ray.util.get_node_ip_address(), cfg.data_plane_interface)
+            store = make_bound_store(host, world, cfg.collective_timeout_s)   # listens on that address only
             joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend,
                                                       self._ticket)
                      for i, r in enumerate(self.remote)]
-            group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s)
+            try:
+                group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s,
+                                     bind_ip=host, interface=interface,
+                                     explicit_interface=bool(cfg.data_plane_interface))
+            except CpattnError:
+                # The shards' joins fail as ours did, within their own deadline: collect them (unread errors get
+                # logged by Ray as unhandled) and report ours, which names the addresses.
+                ready, _ = ray.wait(joins, num_returns=len(joins), timeout=cfg.collective_timeout_s)
+                for ref in ready:
+                    try:
+                        ray.get(ref, timeout=0)
+                    except Exception:   # the same failure, seen from that shard
+                        pass
+                raise
             call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
             self._store = store   # the store must outlive the group
             self.plane = DataPlane(group, 0, world, backend)

@@ -11,6 +11,8 @@ import socket
 
 import torch.distributed as dist
 
+from cpattn.errors import DataPlaneError
+
 
 def make_bound_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -19,9 +21,10 @@ def make_bound_store(host: str, world_size: int, timeout_s: float) -> dist.TCPSt
         sock.bind((host, 0))
         sock.listen(world_size * 4)
         port = sock.getsockname()[1]
-    except BaseException:
+    except OSError as exc:
         sock.close()
-        raise
+        raise DataPlaneError(f"cannot listen for the data plane's rendezvous on {host} ({exc.strerror or exc}): "
+                             "the address must be this node's (Ray's node IP, or data_plane_interface's)") from exc
     fd = sock.detach()   # the store owns the descriptor from here on (and closes it with itself)
     return dist.TCPStore(host, port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=fd)

@@ -32,9 +32,12 @@ def assign_ranks(locations: list[ShardLocation]) -> list[int]:
     return ranks
 
 
-def shard_bundles(num_shards: int, num_cpus: float, num_gpus: float) -> list[dict[str, float]]:
-    """One resource bundle per shard; Ray rejects empty bundles, so a shard asks for a sliver of CPU at least."""
+def shard_bundles(num_shards: int, num_cpus: float, num_gpus: float,
+                  resources: dict[str, float] | None = None) -> list[dict[str, float]]:
+    """One resource bundle per shard (plus the config's custom ``resources``); Ray rejects empty bundles, so a
+    shard asks for a sliver of CPU at least."""
     bundle: dict[str, float] = {"CPU": num_cpus if num_cpus > 0 else 0.01}
     if num_gpus > 0:
         bundle["GPU"] = num_gpus
+    bundle.update(resources or {})
     return [dict(bundle) for _ in range(num_shards)]

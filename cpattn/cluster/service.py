@@ -54,6 +54,10 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
     check_backend(config)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
                "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
+    if config.coordinator_resources:
+        options["resources"] = dict(config.coordinator_resources)   # e.g. a resource only the head has
+    if config.coordinator_label_selector:
+        options["label_selector"] = dict(config.coordinator_label_selector)
     if config.detached:
         # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
@@ -73,8 +77,10 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
                 raise exc.cause from None
             raise exc.as_instanceof_cause() from None
         if isinstance(exc, ray.exceptions.GetTimeoutError):
+            steer = "".join(f"; {name} is {getattr(config, name)}: a node must offer it"
+                            for name in ("coordinator_resources", "coordinator_label_selector") if getattr(config, name))
             raise ServiceError(f"service {config.name!r} did not start within {config.start_timeout_s}s: "
-                               "check the cluster's free resources (ray status)") from None
+                               f"check the cluster's free resources (ray status){steer}") from None
         raise
     return coordinator
 

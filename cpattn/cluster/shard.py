@@ -19,9 +19,10 @@ from cpattn.attention import get_attn_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, create_group, make_store, partial_tag
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, connect_group, partial_tag
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
+from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
@@ -54,6 +55,16 @@ def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_head
         parts.append(torch.randn(2, n, num_kv_heads, head_size, generator=gen, device=device))
     kv = torch.cat(parts, dim=1)
     return kv[0], kv[1]
+
+
+def _node_ip() -> str:
+    """This node's IP as Ray knows it (loopback when used as a plain class, without a Ray worker)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
 
 
 class ShardWorker:
@@ -310,11 +321,14 @@ class ShardWorker:
             self._joining[client] = self._joining.get(client, 0) + 1
         outcome: dict = {}
         done = threading.Event()
+        cfg = self.config
+        bind_ip, interface = bind_address(_node_ip(), cfg.data_plane_interface)
 
         def handshake() -> None:
             try:
-                store = make_store(host, port, world_size, False, self.config.collective_timeout_s)
-                group = create_group(store, group_name, rank, world_size, backend, self.config.collective_timeout_s)
+                group = connect_group(host, port, group_name, rank, world_size, backend, cfg.collective_timeout_s,
+                                      bind_ip=bind_ip, interface=interface,
+                                      explicit_interface=bool(cfg.data_plane_interface))
                 plane = DataPlane(group, rank, world_size, backend)
                 with self._lock:
                     if outcome.get("abandoned"):

@@ -74,6 +74,7 @@ class ShardSet:
         self.handles: list = []                     # actor handles, index = rank (None while missing)
         self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
         self.lost: dict[int, str] = {}              # rank -> why, until replaced
+        self._silent_since: dict[int, float] = {}   # rank -> when its first unanswered ping was sent
         self._pg = None
         self._lock = threading.Lock()
 
@@ -106,16 +107,21 @@ class ShardSet:
         cfg = self.config
         self.check_backend()
         try:
-            self._pg = placement_group(shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard),
-                                       strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
-                                       lifetime="detached" if cfg.detached else None)
+            bundles = shard_bundles(cfg.num_shards, cfg.num_cpus_per_shard, cfg.num_gpus_per_shard, cfg.shard_resources)
+            labels = {"bundle_label_selector": [dict(cfg.shard_label_selector)] * cfg.num_shards} \
+                if cfg.shard_label_selector else {}
+            self._pg = placement_group(bundles, strategy=cfg.placement_strategy, name=placement_group_name(cfg.name),
+                                       lifetime="detached" if cfg.detached else None, **labels)
             try:
                 ray.get(self._pg.ready(), timeout=cfg.start_timeout_s)
             except ray.exceptions.GetTimeoutError:
+                steer = "".join(f", {name} {getattr(cfg, name)}" for name in ("shard_resources", "shard_label_selector")
+                                if getattr(cfg, name))
                 raise ServiceError(
                     f"could not place {cfg.num_shards} shards ({cfg.num_cpus_per_shard} CPU, {cfg.num_gpus_per_shard} GPU "
-                    f"each, {cfg.placement_strategy}) within {cfg.start_timeout_s}s: the cluster lacks the resources; "
-                    "lower num_shards / per-shard resources or add nodes") from None
+                    f"each, {cfg.placement_strategy}{steer}) within {cfg.start_timeout_s}s: the cluster lacks the "
+                    "resources (or nodes with those resources/labels); lower num_shards / per-shard resources or add "
+                    "nodes") from None
             self._probe_backend_in_bundle()
             handles = [self._new_shard(i) for i in range(cfg.num_shards)]
             self.handles = handles
@@ -165,24 +171,37 @@ class ShardSet:
             # Detached and named: the shards (and their KV) outlive a coordinator restart.
             options = {"name": shard_actor_name(cfg.name, bundle_index), "namespace": cfg.namespace,
                        "lifetime": "detached"}
+        # Custom resources are the bundle's too: an actor in a bundle must ask for what it uses of it.
+        if cfg.shard_resources:
+            options["resources"] = dict(cfg.shard_resources)
         return ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(RemoteShard).options(
             num_cpus=cfg.num_cpus_per_shard, num_gpus=cfg.num_gpus_per_shard, max_concurrency=cfg.max_open_steps + SHARD_THREAD_HEADROOM,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=bundle_index),
             **options).remote(cfg, bundle_index, self._backend_registry, self.secret, ready, self.operator_digest)
 
     def check(self, timeout_s: float) -> dict[int, str]:
-        """Ping every shard; a dead or silent one is recorded as lost. Returns rank -> why for the lost."""
+        """Ping every shard; a dead one, or one silent for shard_hang_timeout_s, is recorded as lost.
+        Returns rank -> why for the lost.
+
+        Silence is a ping unanswered within ``timeout_s`` or a lost connection (ActorUnavailableError: a
+        network partition, a reset connection); it is timed from the first unanswered ping, so a short
+        check (end_step's) never declares a shard lost that the link may still bring back.
+        """
         refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote(self.secret)
                 for h in list(self.handles)]
-        deadline = time.monotonic() + timeout_s
+        sent = time.monotonic()
+        deadline = sent + timeout_s
         for rank, ref in enumerate(refs):
             if rank in self.lost or ref is None:
                 continue
             try:
                 ok = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 why = None if ok else "stopped answering (hung)"
+                self._silent_since.pop(rank, None)
             except ray.exceptions.GetTimeoutError:
-                why = f"did not answer a ping within {timeout_s:.1f}s"
+                why = self._silent(rank, sent, "did not answer pings")
+            except ray.exceptions.ActorUnavailableError:
+                why = self._silent(rank, sent, "was unreachable (ActorUnavailableError: network partition?)")
             except ray.exceptions.RayActorError as exc:
                 why = f"died ({type(exc).__name__})"
             if why is not None:
@@ -190,6 +209,16 @@ class ShardSet:
                     self.lost[rank] = why
                 logger.error("shard %d lost: %s", rank, why)
         return dict(self.lost)
+
+    def _silent(self, rank: int, sent: float, what: str) -> str | None:
+        """Why shard ``rank`` is lost once silent for shard_hang_timeout_s (since its first unanswered ping)."""
+        # The earliest unanswered ping counts: the health thread's long ping may time out after a later, shorter
+        # one (end_step's) recorded its own send time.
+        since = self._silent_since[rank] = min(self._silent_since.get(rank, sent), sent)
+        silent_s = time.monotonic() - since
+        if silent_s < self.config.shard_hang_timeout_s:
+            return None
+        return f"{what} for {silent_s:.1f}s (shard_hang_timeout_s={self.config.shard_hang_timeout_s:g})"
 
     def start_replacement(self, rank: int):
         """Kill the lost shard and start a new one in its bundle; returns (handle, info), not yet installed.
@@ -208,10 +237,23 @@ class ShardSet:
             new = self._new_shard(self.infos[rank]["bundle_index"], ready=False)   # ready once refilled
             try:
                 return new, dict(ray.get(new.info.remote(self.secret), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.GetTimeoutError:
+                # Its node is unreachable (partition) or full: do not leave it to start later and hold the bundle.
+                ray.kill(new, no_restart=True)
+                raise ServiceError(f"shard {rank}'s replacement did not start within start_timeout_s="
+                                   f"{self.config.start_timeout_s:g}s (its node unreachable or out of resources); "
+                                   "the health check tries again") from None
+            except ray.exceptions.RayActorError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise ServiceError(f"shard {rank}'s replacement kept dying on start ({creation_error(exc)}); "
+                                       "the health check tries again") from exc
                 time.sleep(1.0)
+
+    @property
+    def silent(self) -> dict[int, float]:
+        """rank -> seconds since its first unanswered ping, for shards silent but not (yet) lost."""
+        now = time.monotonic()
+        return {r: now - t for r, t in dict(self._silent_since).items() if r not in self.lost}
 
     def install(self, rank: int, handle, info: dict) -> None:
         """Make a started replacement the shard of ``rank``."""
@@ -219,6 +261,7 @@ class ShardSet:
             self.handles[rank] = handle
             self.infos[rank] = info
             self.lost.pop(rank, None)
+            self._silent_since.pop(rank, None)
 
     def teardown(self) -> None:
         for h in self.handles:
