@@ -11,12 +11,15 @@ import time
 
 from cpattn.config import ServiceConfig, load_config
 from cpattn.launch.cli import _SERVICE_FLAG_EXCLUDED
+from cpattn.launch.common import default_address
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """The service config: YAML file values, overridden by every flag given. Raises ConfigError."""
     overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in _SERVICE_FLAG_EXCLUDED}
-    overrides.update(name=args.name, namespace=args.namespace, ray_address=args.address, detached=True)
+    # --address, else RAY_ADDRESS (as every command), else the file's ray_address, else an embedded Ray.
+    overrides.update(name=args.name, namespace=args.namespace, ray_address=default_address(args.address),
+                     detached=True)
     if args.config:
         return load_config(args.config, **overrides)
     return ServiceConfig(**{k: v for k, v in overrides.items() if v is not None})
@@ -26,13 +29,10 @@ def serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     import ray
 
-    from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
     from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
 
     check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
     embedded = cfg.ray_address is None and not ray.is_initialized()
-    if embedded and os.environ.get(AUTH_MODE_ENV) is None:
-        use_token_auth()   # what ray.init() does for a new local instance, minus its banner on every serve
     started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
     try:
         coordinator = launch_coordinator(cfg)
