@@ -146,7 +146,7 @@ def _lower_hint(config: ServiceConfig, room: dict[str, float], per_shard: dict[s
 
 
 def _holders(groups, exclude_id: bytes) -> list[Holder]:
-    actors = _actors()
+    actors = alive_actors()
     by_id = {a.actor_id: a for a in actors}
     holders, accounted = [], {}
     for g in groups:
@@ -184,7 +184,7 @@ def _placement_groups():
     return [gcs_pb2.PlacementGroupTableData.FromString(raw) for raw in accessor.get_placement_group_table()]
 
 
-def _actors():
+def alive_actors():
     from ray.core.generated import gcs_pb2
 
     accessor = ray._private.state.state._connect_and_get_accessor()
