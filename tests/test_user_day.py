@@ -153,7 +153,7 @@ def test_setup_says_one_line_per_phase_on_a_first_install(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="GPU tests run here")
 def test_gpu_skips_are_one_summary_line_and_still_counted():
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/gpu"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, env=user_env())
     out = result.stdout
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]

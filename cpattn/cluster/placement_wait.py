@@ -86,7 +86,10 @@ def wait_for_start(coordinator, config: ServiceConfig, report=None):
         if now < next_report:
             continue
         next_report = now + REPORT_EVERY_S
-        shortfall = pending_shortfall(config, creator)
+        try:
+            shortfall = pending_shortfall(config, creator)
+        except Exception:   # no GCS tables here (a Ray Client driver, ray://): wait silently as before
+            shortfall = None
         if shortfall is None:   # placed (or not yet created): the shards are starting
             stuck_since, last_state = None, None
             continue
