@@ -121,7 +121,7 @@ def test_bench_quick_runs_in_under_a_minute_and_writes_where_told(tmp_path):
     assert all(len(line.split()) == len(header.split()) for line in first_table), first_table
     assert subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout == before
     assert "Token authentication is enabled" not in result.stderr
-    assert took < 120, took   # under a minute on an idle 2-core machine; headroom for a loaded CI box
+    assert took < 150, took   # under a minute on an idle 2-core machine; 101 s measured under a load of 15
 
 
 # Setup and the test run -------------------------------------------------------------------------------------------
@@ -161,3 +161,27 @@ def test_gpu_skips_are_one_summary_line_and_still_counted():
     count = int(skipped[0].split("[")[1].split("]")[0])
     assert count > 100 and out.strip().splitlines()[-1].startswith(f"{count} skipped"), out[-2000:]
     assert "sss" not in out and "warnings summary" not in out, out[-3000:]
+
+
+# The placement wait's judgement, without a cluster -----------------------------------------------------------------
+def test_placement_shortfall_says_what_is_missing_who_holds_it_and_what_to_change():
+    from cpattn.cluster.placement_wait import Holder, Shortfall, _failure
+    from cpattn.config import ServiceConfig
+
+    cfg = ServiceConfig(name="second", num_shards=4, num_cpus_per_shard=1.0, placement_wait_s=20)
+    hog = Holder("service 'hog' (namespace 'cpattn')", {"CPU": 3.0}, stop_hint="stop service 'hog' (`cpattn stop --name hog`)")
+    held = Shortfall(need={"CPU": 4.0}, available={"CPU": 1.0}, total={"CPU": 4.0}, holders=[hog])
+    assert held.missing == {"CPU": 3.0} and not held.too_small and not held.can_free_up()
+    assert held.describe() == "missing 3 CPU (of 4 needed, 1 free); held by service 'hog' (namespace 'cpattn'): 3 CPU"
+    assert _failure(cfg, held).endswith("Fix: stop service 'hog' (`cpattn stop --name hog`); or lower num_shards "
+                                        "(--num-shards) to 1, or num_cpus_per_shard (--num-cpus-per-shard) to 0.25")
+    # Running tasks end by themselves: worth waiting for (up to start_timeout_s).
+    tasks = Shortfall(need={"CPU": 4.0}, available={"CPU": 1.0}, total={"CPU": 4.0},
+                      holders=[Holder("running tasks", {"CPU": 3.0}, frees_by_itself=True)])
+    assert tasks.can_free_up()
+    # A cluster too small: no wait helps.
+    small = Shortfall(need={"CPU": 4.0}, available={"CPU": 2.0}, total={"CPU": 2.0})
+    assert small.too_small == {"CPU": 2.0} and not small.can_free_up()
+    assert _failure(cfg, small) == ("could not place 4 shards of service 'second': they need 4 CPU and the whole "
+                                    "cluster has 2 CPU: lower num_shards (--num-shards) to 2, or num_cpus_per_shard "
+                                    "(--num-cpus-per-shard) to 0.5, or add nodes")
