@@ -10,5 +10,5 @@ timeout 280 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu
 echo "service tests rc=$? $(( $(date +%s) - T0 ))s"; tail -12 "$OUT/pytest_service_gpu.log"
 timeout 250 python3 benchmarks/service_bench.py --device cuda --backend TRITON --heads 32,8,128 --shards 1,4 \
   --batches 1,64 --contexts 32768,131072,1048576 --max-tokens 2100000 --layers 4 --repeats 5 \
-  --json "$OUT/service_bench_gpu.json" >"$OUT/service_bench_gpu.log" 2>&1
+  --out "$OUT" >"$OUT/service_bench_gpu.log" 2>&1
 echo "service bench rc=$? $(( $(date +%s) - T0 ))s"; grep -v -E "WARNING|NumPy" "$OUT/service_bench_gpu.log" | tail -22

@@ -6,8 +6,9 @@ split into plan (once per step, divided by layers), data plane (attend as the cl
 in-process shards and merge, minus the slowest remote shard's kernel time) and attention (slowest shard).
 The reference is TorchAttentionImpl over one unsharded paged cache of the same shape.
 
-    python benchmarks/service_bench.py [--shards 1,2,4] [--batches 1,16,64] [--contexts 4096,...]
-Prints a table and writes JSON (default benchmarks/results/service_bench.json).
+    cpattn bench [--quick] [--shards 1,2,4] [--batches 1,16,64] [--contexts 4096,...] [--out DIR]
+    (or python benchmarks/service_bench.py ...)
+Prints a table and writes DIR/service_bench.json (default: out/ of the checkout, which git ignores).
 """
 
 from __future__ import annotations
@@ -90,38 +91,61 @@ def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq
                          "data_plane_ms": wire, "attention_ms": per_layer["attention_s"],
                          "total_ms": total,
                          "overhead_pct": 100.0 * (total - per_layer["attention_s"]) / total})
-            print(_fmt(rows[-1], None), flush=True)
+            print(_fmt(rows[-1]), flush=True)
     finally:
         svc.shutdown()
     return rows
 
 
 HEADER = (f"{'shards':>6} {'batch':>5} {'context':>8} {'plan/step':>9} {'plan':>6} {'wire':>7} {'attn':>7} "
-          f"{'total':>7} {'ovh%':>5} {'ref':>7}")
+          f"{'total':>7} {'ovh%':>5}")
+REF_HEADER = f"{'shards':>6} {'batch':>5} {'context':>8} {'total':>7} {'ref':>7} {'total/ref':>9}"
+# The default grid as measured on a 2-core CPU machine (issue 25); --quick is measured in tests/test_bench_cli.py.
+DEFAULT_COST = "about 9 minutes and 17 GB of memory on a 2-core CPU machine"
+QUICK = {"shards": "1,2", "batches": "1,4", "contexts": "2048", "layers": 2, "repeats": 2}
 
 
-def _fmt(r: dict, ref: float | None) -> str:
-    ref_s = f"{ref:>7.2f}" if ref is not None else f"{'':>7}"
+def _fmt(r: dict) -> str:
     return (f"{r['shards']:>6} {r['batch']:>5} {r['context']:>8} {r['plan_ms_per_step']:>9.2f} {r['plan_ms']:>6.2f} "
-            f"{r['data_plane_ms']:>7.2f} {r['attention_ms']:>7.2f} {r['total_ms']:>7.2f} "
-            f"{r['overhead_pct']:>5.1f} {ref_s}")
+            f"{r['data_plane_ms']:>7.2f} {r['attention_ms']:>7.2f} {r['total_ms']:>7.2f} {r['overhead_pct']:>5.1f}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", default="1,2,4")
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--contexts", default="4096,16384,32768,65536")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", default="8,2,128", help="Hq,Hk,D")
-    parser.add_argument("--repeats", type=int, default=3)
+def _fmt_ref(r: dict) -> str:
+    return (f"{r['shards']:>6} {r['batch']:>5} {r['context']:>8} {r['total_ms']:>7.2f} {r['reference_ms']:>7.2f} "
+            f"{r['total_ms'] / r['reference_ms']:>9.2f}")
+
+
+def build_parser(prog: str | None = None):
+    from cpattn.launch.common import Parser
+
+    parser = Parser(prog=prog, description=__doc__.splitlines()[0],
+                    epilog=f"The default grid takes {DEFAULT_COST}; --quick takes under a minute.")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid in under a minute: --shards 1,2 --batches 1,4 --contexts 2048 --layers 2 "
+                             "--repeats 2 (options given as well still apply)")
+    parser.add_argument("--shards", default=None, help="shard counts to run, comma-separated (default: 1,2,4)")
+    parser.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default: 1,16,64)")
+    parser.add_argument("--contexts", default=None,
+                        help="context lengths in tokens, comma-separated (default: 4096,16384,32768,65536)")
+    parser.add_argument("--layers", type=int, default=None, help="attention layers per step (default: 4)")
+    parser.add_argument("--heads", default="8,2,128", help="query heads, KV heads, head size: Hq,Hk,D (default: 8,2,128)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per case, after one warm-up (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="skip cases with batch*context above this")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: shards share one GPU (gloo data plane), q/k/v live on the GPU")
     parser.add_argument("--dtype", default=None, help="default float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--json", default="benchmarks/results/service_bench.json")
-    args = parser.parse_args(argv)
+    parser.add_argument("--backend", default="auto", help="attention backend of the shards (default: auto)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="directory for service_bench.json (default: out/ of the checkout, which git ignores)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    defaults = {"shards": "1,2,4", "batches": "1,16,64", "contexts": "4096,16384,32768,65536", "layers": 4, "repeats": 3}
+    for key, value in (QUICK if args.quick else defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     hq, hk, d = (int(x) for x in args.heads.split(","))
     block = 16
@@ -136,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),
             "heads": [hq, hk, d], "dtype": dtype, "layers": args.layers}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else Path(__file__).resolve().parents[1] / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    out = out / "service_bench.json"
     rows = []
     for n in map(int, args.shards.split(",")):
         rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens, args.device,
@@ -146,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = rows[0]["backend"] if rows else "TORCH"
     refs = {(b, c): reference_layer_ms(b, c, hq, hk, d, block, args.repeats, args.device, getattr(torch, dtype), backend)
             for b, c in cases}
-    print(f"\nwith one single-process {backend} call per layer on the same shapes (ref, ms):")
-    print(HEADER)
+    print(f"\nagainst one single-process {backend} call per layer on the same shapes (ref, ms per layer):")
+    print(REF_HEADER)
     for r in rows:
         r["reference_ms"] = refs[(r["batch"], r["context"])]
-        print(_fmt(r, r["reference_ms"]))
+        print(_fmt_ref(r))
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -129,6 +129,11 @@ class ServiceConfig(BaseModel):
     """Timeout of data-plane collectives; a hung shard surfaces as an error after this."""
     start_timeout_s: float = _seconds(300.0)
     """Time allowed for shards to be placed and start."""
+    placement_wait_s: float = _seconds(20.0)
+    """How long shards wait to be placed while nothing will free what they lack by itself (resources held by
+    other services' placement groups or by actors, or a cluster too small): then start fails naming what holds
+    them and what to change. Resources held by running tasks are waited for up to start_timeout_s. Raise it
+    where nodes are added on demand (an autoscaler)."""
     health_check_interval_s: float = _seconds(1.0)
     """How often the coordinator checks that shards are alive (replica failover)."""
     shard_hang_timeout_s: float = _seconds(30.0)

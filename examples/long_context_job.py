@@ -294,4 +294,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from cpattn.errors import CpattnError
+
+    try:
+        sys.exit(main())
+    except CpattnError as exc:   # e.g. no room for the shards: one line saying what to change, not a traceback
+        sys.exit(f"long_context_job: error: {exc}")

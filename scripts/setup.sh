@@ -3,16 +3,19 @@
 # local CPU build, and with it installed the project's `torch>=2.4` range pulls nothing more.
 # The install is editable, so code changes need no reinstall: a later run returns at once unless
 # pyproject.toml or this script changed (or the venv lost the package). pip's output is shown on failure.
+# An install says one line per phase on stderr (a first install takes about a minute and ~1.5 GB of disk).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-if [[ ! -x .venv/bin/python ]]; then
-  python3 -m venv .venv
-fi
 stamp=.venv/.cpattn-setup
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $root"
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]] && (cd / && "$root/.venv/bin/python" -c "import cpattn.config") 2>/dev/null; then
   exit 0
+fi
+say() { echo "setup: $*" >&2; }
+if [[ ! -x .venv/bin/python ]]; then
+  say "creating .venv (a first install takes about a minute and ~1.5 GB of disk)"
+  python3 -m venv .venv
 fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -22,11 +25,17 @@ pip_install() {
     exit 1
   fi
 }
+say "upgrading pip"
 pip_install --upgrade pip || true
-.venv/bin/python -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  say "installing torch 2.13.0 (CPU build where available)"
+  pip_install "torch==2.13.0"
+fi
+say "installing cpattn and its test tools (ray, transformers, pytest)"
 pip_install -e ".[test]"
 # The checkout as a sys.path entry: then a directory named `cpattn` holding the checkout cannot shadow the
 # installed package for scripts run from its parent (the editable install's import hook comes after it).
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$root" > "$site/_cpattn_checkout.pth"
 echo "$want" > "$stamp"
+say "done: .venv is ready"

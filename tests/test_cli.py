@@ -54,10 +54,12 @@ def test_top_level_help_lists_every_command(capsys):
         assert command in out
 
 
-def test_bench_help_passes_through():
+def test_bench_help_names_itself_and_says_what_the_default_costs():
     result = _run([*CLI, "bench", "--help"], timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "usage:" in result.stdout and "service_bench" in result.stdout
+    out = " ".join(result.stdout.split())
+    assert out.startswith("usage: cpattn bench [-h] [--quick]") and "service_bench.py" not in out.split("]")[0]
+    assert "The default grid takes about 9 minutes and 17 GB of memory" in out and "--quick takes under a minute" in out
 
 
 def _serve_args(argv):
@@ -165,13 +167,14 @@ def ray_head():
     import urllib.error
     import urllib.request
 
-    assert readme_block("tests/test_cli.py")[0] == "ray start --head"
+    first = readme_block("tests/test_cli.py")[0]
+    assert command(first) == command("ray start --head --block") and "Ctrl-C there stops this head" in first
     tmp_root = f"/tmp/cpt{os.getpid()}"   # short: Ray's socket paths must stay under ~107 chars
     os.makedirs(tmp_root, exist_ok=True)
     env = user_env(RAY_TMPDIR=tmp_root)
     gcs_port, dash_port, agent_port, client_port = _free_port(), _free_port(), _free_port(), _free_port()
-    cmd = command("ray start --head") + [
-        "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
+    cmd = command(first) + [
+        "--node-ip-address=127.0.0.1", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
         f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
         "--include-dashboard=true", "--num-cpus=4", "--disable-usage-stats"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -190,6 +193,11 @@ def ray_head():
                     pytest.fail("the test's Ray head did not start")
                 time.sleep(1)
         yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "env": env}
+        # The README's teardown: Ctrl-C in the head's terminal (SIGINT to its process group) stops the head and
+        # everything it started, and nothing else.
+        os.killpg(proc.pid, signal.SIGINT)
+        left = wait_session_empty(proc.pid, 30)
+        assert left == [], f"Ctrl-C left processes of the head running: {left}"
     finally:
         kill_session(proc.pid)
         proc.wait(timeout=30)
@@ -242,9 +250,12 @@ def test_readme_cluster_walkthrough(ray_head):
         result = _run(command(line), timeout=150, env=ray_head["env"])
         assert result.returncode == 0, f"`{line}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         assert BANNER not in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert "Found multiple active Ray instances" not in result.stderr, result.stderr
         results.append(result)
-    served, status, submitted, stopped = results
+    served, listed, status, submitted, stopped = results
     assert "cpattn service 'cpattn' (namespace 'cpattn') is up: 4 shards" in served.stdout
+    row = next(line for line in listed.stdout.splitlines() if line.startswith("cpattn "))
+    assert row.split()[:5] == ["cpattn", "cpattn", "4/4", "0", "0"], listed.stdout
     assert "service 'cpattn' (namespace 'cpattn'): 4 shards on 1 node(s)" in status.stdout
     assert "generated: [[" in submitted.stdout and "SUCCEEDED" in submitted.stderr
     assert "stopped cpattn service 'cpattn'" in stopped.stdout
@@ -258,10 +269,40 @@ def test_explicit_address_needs_no_auth_mode_and_a_wrong_token_is_one_line(ray_h
     assert status.returncode == 1 and "InvalidAuthToken" not in status.stderr, status.stderr
     assert status.stderr.strip() == ("cpattn status: error: no cpattn service named 'no-such-service' in namespace "
                                      "'cpattn': start one with cpattn.start(...) or `cpattn serve`, or pass the "
-                                     "right name/namespace")
+                                     "right name/namespace (`cpattn list` shows every service on the cluster)")
     wrong = _run([*CLI, "status", "--address", gcs], env=dict(ray_head["env"], RAY_AUTH_TOKEN="0" * 32))
     assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
     assert f"the Ray cluster at {gcs} rejected the token found in RAY_AUTH_TOKEN" in wrong.stderr
+
+
+def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
+    """Issue 25: a service whose shards cannot be placed because another service holds the CPUs said nothing
+    for 304 s. Now: a line every few seconds naming what is missing and who holds it, and a one-line failure
+    well under a minute naming the service to stop. Also: serve honours RAY_ADDRESS (it started an embedded Ray
+    and blocked), --address overrides it, and `cpattn list` shows every service."""
+    gcs, env = ray_head["gcs"], ray_head["env"]
+    hog = [*CLI, "serve", "--name", "hog", *SMALL, "--num-shards", "4", "--num-cpus-per-shard", "1"]
+    served = _run(hog, env=dict(env, RAY_ADDRESS=gcs))   # no --address: RAY_ADDRESS, as status and stop do
+    assert served.returncode == 0 and "cpattn service 'hog'" in served.stdout, served.stderr
+    try:
+        t0 = time.monotonic()
+        second = _run([*CLI, "serve", "--address", gcs, "--name", "second", *SMALL], env=env)
+        took = time.monotonic() - t0
+        waits = [line for line in second.stderr.splitlines() if line.startswith("cpattn: waiting to place")]
+        assert second.returncode == 1 and took < 50, (took, second.stderr)
+        assert waits and "missing 0.5 CPU (of 0.5 needed, 0 free); held by service 'hog' (namespace 'cpattn'): 4 CPU" \
+            in waits[0], second.stderr
+        error = second.stderr.strip().splitlines()[-1]
+        assert error.startswith("cpattn serve: error: could not place 2 shards of service 'second' within 20s") \
+            and "stop service 'hog' (`cpattn stop --name hog`)" in error, second.stderr
+        listed = _run([*CLI, "list", "--address", gcs],
+                      env=dict(env, RAY_ADDRESS=f"127.0.0.1:{_free_port()}"))   # --address wins over RAY_ADDRESS
+        assert listed.returncode == 0, listed.stderr
+        names = [line.split()[0] for line in listed.stdout.splitlines()[1:]]
+        assert names == ["hog"], listed.stdout   # the failed service left nothing behind
+    finally:
+        stopped = _run([*CLI, "stop", "--name", "hog"], env=dict(env, RAY_ADDRESS=gcs))
+    assert stopped.returncode == 0, stopped.stderr
 
 
 def _start_embedded(name: str) -> tuple[subprocess.Popen, list[str]]:

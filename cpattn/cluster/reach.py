@@ -39,6 +39,25 @@ def use_token_auth() -> None:
     _refresh_ray_config()
 
 
+def use_local_token_auth() -> bool:
+    """Token mode for a local Ray instance this process starts, unless RAY_AUTH_MODE says otherwise: what
+    ``ray.init()`` does by itself, minus its warning banner on every start. True when no token exists yet
+    (``ray.init`` then writes one, which the user should hear about once: ``announce_new_token``)."""
+    if os.environ.get(AUTH_MODE_ENV) is not None:
+        return False
+    new = not token_available()
+    use_token_auth()
+    return new
+
+
+def announce_new_token() -> None:
+    """One line of cpattn's own where Ray would print its banner: only when a token was just created."""
+    path = os.path.expanduser("~/.ray/auth_token")
+    if os.path.exists(path):
+        print(f"cpattn: Ray token authentication is on: a new token was written to {path} (clusters on this "
+              f"machine use it; {AUTH_MODE_ENV}=disabled turns authentication off)", file=sys.stderr, flush=True)
+
+
 def token_available() -> bool:
     from ray._raylet import AuthenticationTokenLoader
 
@@ -67,7 +86,8 @@ def check_tcp(address: str, what: str = "Ray cluster", timeout_s: float = TCP_TI
             pass
     except OSError as exc:
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
-        raise ServiceError(f"cannot reach the {what} at {address}: {host}:{port} {why}. Check the address and "
+        where = address if address.endswith(f"{host}:{port}") else f"{address} ({host}:{port})"
+        raise ServiceError(f"cannot reach the {what} at {where}: {why}. Check the address and "
                            "port, that the cluster is running (`ray status` on its head) and that no firewall "
                            "blocks the port") from exc
 
@@ -76,14 +96,30 @@ def resolve_address(address: str | None) -> str:
     """``auto``/None -> the cluster's GCS host:port as ray.init would find it; others unchanged."""
     if address not in (None, "auto"):
         return address
+    import logging
+
     from ray._private import services
 
+    # With several clusters on the machine Ray logs a warning naming every GCS; cpattn says it in one line.
+    services_logger = logging.getLogger(services.__name__)
+    level = services_logger.level
+    services_logger.setLevel(logging.ERROR)
     try:
         found = services.get_ray_address_from_environment("auto", None)
+        running = services.find_gcs_addresses()
+        latest = services.find_bootstrap_address(None)
     except ConnectionError as exc:
         raise ServiceError("no running Ray cluster found on this machine (address 'auto'): start one with "
                            "`ray start --head` (or `cpattn serve`), or give its address (--address host:6379, "
                            "address=..., or RAY_ADDRESS)") from exc
+    finally:
+        services_logger.setLevel(level)
+    if len(running) > 1 and not os.environ.get("RAY_ADDRESS"):
+        if latest is None:   # Ray would pick one of them at random
+            raise ServiceError(f"several Ray clusters run on this machine ({', '.join(sorted(running))}) and none "
+                               "was started by `ray start`: give the one to use with --address (or RAY_ADDRESS)")
+        print(f"cpattn: several Ray clusters run on this machine; 'auto' is {found}, the one `ray start` started "
+              "last (--address or RAY_ADDRESS picks another)", file=sys.stderr, flush=True)
     return found
 
 

@@ -10,6 +10,7 @@ import ray
 from cpattn.attention.registry import backend_names, load_backend_class, registry_state
 from cpattn.cluster.authority import digest
 from cpattn.cluster.coordinator import RemoteCoordinator
+from cpattn.cluster.placement_wait import wait_for_start
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CpattnError, ServiceError
 
@@ -25,9 +26,14 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
     if address is None:
         # Logical CPUs: enough for every shard bundle even on a 2-core machine; shards mostly wait on data.
         num_cpus = max(os.cpu_count() or 1, int(num_cpus_hint) + 2)
+        from cpattn.cluster.reach import announce_new_token, use_local_token_auth
+
+        new_token = use_local_token_auth()   # Ray's default for a local instance, without its banner every time
         # address="local": always a fresh embedded instance, never a `ray start` cluster found on the machine.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=namespace,
                  logging_level=logging.WARNING, configure_logging=True, log_to_driver=True)
+        if new_token:
+            announce_new_token()
     else:
         from cpattn.cluster.reach import join_cluster
 
@@ -65,13 +71,16 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
     coordinator = ray.remote(RemoteCoordinator).options(**options).remote(config, registry_state(),
                                                                           digest(operator_credential))
     try:
-        ray.get(coordinator.start.remote(operator_credential), timeout=config.start_timeout_s + 30)
+        # Says every few seconds what a pending placement lacks and who holds it; fails when nothing will free it.
+        wait_for_start(coordinator, config, operator_credential)
     except BaseException as exc:
         try:
             ray.get(coordinator.shutdown.remote(operator_credential), timeout=config.rpc_timeout_s)
         except Exception:
             pass
         ray.kill(coordinator, no_restart=True)
+        if config.detached:   # a detached placement group outlives its creator: remove it if still there
+            remove_leftovers(config)
         if isinstance(exc, ray.exceptions.RayTaskError):
             if isinstance(exc.cause, CpattnError):
                 raise exc.cause from None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,8 +20,9 @@ def main(argv: list[str]) -> int:
         print("cpattn bench: benchmarks/service_bench.py not found: run from a cpattn checkout "
               "(the benchmark is not part of the installed package)", file=sys.stderr)
         return 1
-    # A subprocess: the benchmark owns its Ray instance and its argument parser (`cpattn bench --help`).
-    env = dict(os.environ)
-    root = str(script.parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.call([sys.executable, str(script), *argv], env=env)
+    # In this process, under its own name: `cpattn bench --help` says `usage: cpattn bench`, and errors go
+    # through cpattn's one-line handling.
+    spec = importlib.util.spec_from_file_location("service_bench", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv, prog="cpattn bench")

@@ -2,6 +2,7 @@
 
     cpattn serve [-c service.yaml] [--num-shards 8 ...] [--address ray://head:10001]
     cpattn status | stop [--name cpattn] [--namespace cpattn] [--address auto]
+    cpattn list [--address auto]                    (every service on the cluster)
     cpattn submit [--address http://head:8265] -- python examples/long_context_job.py
     cpattn bench ... | cpattn demo ...      (arguments pass through to the benchmark / demo)
 """
@@ -15,9 +16,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from cpattn.launch.common import Parser
+
 # Fields set by their own flags (--name, --namespace, --address) or fixed by `serve` (detached).
 _SERVICE_FLAG_EXCLUDED = {"name", "namespace", "ray_address", "detached"}
 _PASSTHROUGH = {"bench": "cpattn.launch.bench", "demo": "cpattn.launch.demo"}
+_COMMANDS = {"serve": ("cpattn.launch.serve", "serve"), "status": ("cpattn.launch.status", "status"),
+             "stop": ("cpattn.launch.status", "stop"), "list": ("cpattn.launch.status", "list_services"),
+             "submit": ("cpattn.launch.submit", "submit")}
+_CLUSTER_HELP = ("Ray cluster of the service: 'auto', 'head:6379' or 'ray://head:10001' "
+                 "(default: RAY_ADDRESS, else auto: the cluster on this machine)")
 
 
 def _field_docs() -> dict[str, str]:
@@ -66,7 +74,7 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="cpattn", description="Ray-distributed context-parallel attention service.",
         epilog="Run `cpattn <command> --help` for each command's options.")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
@@ -79,21 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "long as this process: serve then blocks until Ctrl-C (or SIGTERM) and stops the service.")
     serve.add_argument("-c", "--config", help="service YAML (fields of ServiceConfig; see examples/)")
     _add_target_flags(serve, "Ray cluster to join: 'auto', 'ray://head:10001' or 'head:6379' "
-                             "(default: the file's ray_address, else an embedded local Ray)")
+                             "(default: RAY_ADDRESS, else the file's ray_address, else an embedded local Ray)")
     _add_service_flags(serve)
 
     status = sub.add_parser("status", help="shards, nodes, devices, KV blocks, sequences, backend",
                             description="Describe a running service: shards and where they run, KV blocks "
                                         "used/free per shard, sequences, the attention backend chosen and its "
                                         "kernel version.")
-    _add_target_flags(status, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
+    _add_target_flags(status, _CLUSTER_HELP)
     status.add_argument("--json", action="store_true", help="print the raw description and stats as JSON")
     _add_operator_flag(status)
 
     stop = sub.add_parser("stop", help="stop a service (shards, placement group, coordinator)",
                           description="Stop a running service and release its KV memory and placement group.")
-    _add_target_flags(stop, "Ray cluster of the service (default: auto, the cluster on this machine or RAY_ADDRESS)")
+    _add_target_flags(stop, _CLUSTER_HELP)
     _add_operator_flag(stop)
+
+    listing = sub.add_parser("list", help="every cpattn service on the cluster: shards, clients, sequences, KV, age",
+                             description="List every cpattn service on the cluster (all namespaces): shards, "
+                                         "clients, sequences, KV blocks and memory in use, and age.")
+    listing.add_argument("--address", default=None, help=_CLUSTER_HELP)
+    listing.add_argument("--json", action="store_true", help="print the services as JSON")
 
     submit = sub.add_parser(
         "submit", help="run a script as a Ray job, with this directory as its working_dir",
@@ -114,50 +128,40 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="command to run, after `--`")
 
     # These two hand every argument to their own parser; `cpattn bench --help` shows the benchmark's help.
-    sub.add_parser("bench", add_help=False, help="run the service benchmark (benchmarks/service_bench.py)")
+    sub.add_parser("bench", add_help=False, help="run the service benchmark (benchmarks/service_bench.py; "
+                                                 "--quick: under a minute)")
     sub.add_parser("demo", add_help=False, help="run the demo (cpattn.launch.demo)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import importlib
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:
-        return _run_passthrough(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+        command, run = argv[0], lambda: _run_passthrough(argv[0], argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command = args.command
+        module, function = _COMMANDS[command]
+        run = lambda: getattr(importlib.import_module(module), function)(args)   # noqa: E731
     from cpattn.errors import CpattnError
 
     try:
-        if args.command == "serve":
-            from cpattn.launch.serve import serve
-
-            return serve(args)
-        if args.command == "status":
-            from cpattn.launch.status import status
-
-            return status(args)
-        if args.command == "stop":
-            from cpattn.launch.status import stop
-
-            return stop(args)
-        if args.command == "submit":
-            from cpattn.launch.submit import submit
-
-            return submit(args)
+        return run()
     except CpattnError as exc:
-        print(f"cpattn {args.command}: error: {exc}", file=sys.stderr)
+        print(f"cpattn {command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"cpattn {args.command}: interrupted", file=sys.stderr)
+        print(f"cpattn {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         # Ray's own errors (a connection lost mid-command, an RPC failure ...) end the command the same way:
         # one line, not a traceback. Bugs of cpattn's own still show their traceback with CPATTN_DEBUG=1.
         if os.environ.get("CPATTN_DEBUG") or not _is_ray_error(exc):
             raise
-        print(f"cpattn {args.command}: error: {_one_line(exc)} (CPATTN_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        print(f"cpattn {command}: error: {_one_line(exc)} (CPATTN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
-    raise AssertionError(f"unhandled command {args.command}")
 
 
 def _is_ray_error(exc: BaseException) -> bool:

@@ -8,12 +8,13 @@ step time goes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
 
 import torch
+
+from cpattn.launch.common import Parser
 
 PROMPTS = {"A": 8192, "B": 2048, "C": 512}
 CHUNK = 1024
@@ -30,17 +31,21 @@ def reference(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, con
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
+def build_parser() -> Parser:
+    parser = Parser(prog="cpattn demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=4, help="shards of the embedded service (default: 4)")
+    parser.add_argument("--layers", type=int, default=4, help="attention layers per step (default: 4)")
+    parser.add_argument("--decode-steps", type=int, default=64, help="decode steps after the prefills (default: 64)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a quick run)")
+    parser.add_argument("--seed", type=int, default=0, help="torch seed of the random q/k/v (default: 0)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     import cpattn
     from tqdm import tqdm
 
-    parser = argparse.ArgumentParser(prog="cpattn demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--decode-steps", type=int, default=64)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a quick run)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     torch.manual_seed(args.seed)
     hq, hk, d = 8, 2, 64
@@ -51,12 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpattn demo: {cfg.num_shards} shards on CPU, {cfg.num_layers} layers, Hq {hq} / Hk {hk} / D {d}, "
           f"prompts {prompts}, {args.decode_steps} decode steps")
     t_start = time.perf_counter()
-    import os
-
-    from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
-
-    if os.environ.get(AUTH_MODE_ENV) is None:
-        use_token_auth()   # what ray.init() does for the embedded instance anyway, minus its banner
     svc = cpattn.start(cfg)
     try:
         backend = svc.info()["shards"][0]

@@ -11,12 +11,15 @@ import time
 
 from cpattn.config import ServiceConfig, load_config
 from cpattn.launch.cli import _SERVICE_FLAG_EXCLUDED
+from cpattn.launch.common import default_address
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """The service config: YAML file values, overridden by every flag given. Raises ConfigError."""
     overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in _SERVICE_FLAG_EXCLUDED}
-    overrides.update(name=args.name, namespace=args.namespace, ray_address=args.address, detached=True)
+    # --address, else RAY_ADDRESS (as every command), else the file's ray_address, else an embedded Ray.
+    overrides.update(name=args.name, namespace=args.namespace, ray_address=default_address(args.address),
+                     detached=True)
     if args.config:
         return load_config(args.config, **overrides)
     return ServiceConfig(**{k: v for k, v in overrides.items() if v is not None})
@@ -33,8 +36,6 @@ def serve(args: argparse.Namespace) -> int:
 
     check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
     embedded = cfg.ray_address is None and not ray.is_initialized()
-    if embedded and os.environ.get(AUTH_MODE_ENV) is None:
-        use_token_auth()   # what ray.init() does for a new local instance, minus its banner on every serve
     started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
     operator_credential = new_operator_credential()
     try:

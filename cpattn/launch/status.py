@@ -1,10 +1,11 @@
-"""``cpattn status`` and ``cpattn stop``: describe or stop a running service by name."""
+"""``cpattn status``, ``stop`` and ``list``: describe or stop a running service by name, or list them all."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from cpattn.errors import ServiceError
 from cpattn.launch.common import attach, detach
 
 _STATUS_TIMEOUT_S = 30.0
@@ -29,6 +30,24 @@ def _operator_credential(args: argparse.Namespace, name: str, namespace: str):
 
     path = operator.credential_path(ray.get_runtime_context().gcs_address, namespace, name)
     return operator.find(getattr(args, "operator_credential", None), path, args.command), path
+
+
+def _status_refs(coordinator, credential: str | None) -> list:
+    return [coordinator.describe.remote(credential), coordinator.stats.remote(credential, True)]   # admin view
+
+
+def _saved_credential(name: str, namespace: str) -> str | None:
+    """The operator credential of a service from the environment or the file serve saved, else None."""
+    import ray
+
+    from cpattn.errors import AccessDeniedError
+    from cpattn.launch import operator
+
+    try:
+        return operator.find(None, operator.credential_path(ray.get_runtime_context().gcs_address, namespace, name),
+                             "list")
+    except AccessDeniedError:
+        return None
 
 
 def format_status(status: dict) -> str:
@@ -67,6 +86,8 @@ def status(args: argparse.Namespace) -> int:
     connected = attach(args.address, namespace)
     try:
         result = gather_status(name, namespace, _operator_credential(args, name, namespace)[0])
+    except ServiceError as exc:
+        raise ServiceError(f"{exc} (`cpattn list` shows every service on the cluster)") from None
     finally:
         detach(connected)
     print(json.dumps(result, indent=2, default=str) if args.json else format_status(result))
@@ -99,4 +120,79 @@ def stop(args: argparse.Namespace) -> int:
     finally:
         detach(connected)
     print(f"stopped cpattn service {name!r} (namespace {namespace!r})")
+    return 0
+
+
+def gather_services() -> list[dict]:
+    """Every cpattn service on the cluster (alive coordinators in any namespace), each with its status or why
+    it did not answer; the calls run in parallel, bounded by one timeout."""
+    import time
+
+    import ray
+
+    from cpattn.cluster.placement_wait import alive_actors
+
+    found = sorted(((a.name, a.ray_namespace, a.start_time) for a in alive_actors()
+                    if a.class_name in ("Coordinator", "RemoteCoordinator") and a.name), key=lambda f: (f[1], f[0]))
+    pending = {}
+    for name, namespace, _ in found:
+        try:
+            credential = _saved_credential(name, namespace)
+            if credential is not None:   # a service whose operator credential is not here is listed without status
+                pending[(name, namespace)] = _status_refs(ray.get_actor(name, namespace=namespace), credential)
+        except ValueError:   # stopped meanwhile
+            pass
+    if pending:
+        ray.wait([ref for refs in pending.values() for ref in refs], num_returns=2 * len(pending),
+                 timeout=_STATUS_TIMEOUT_S)
+    services = []
+    for name, namespace, started_ms in found:
+        entry = {"name": name, "namespace": namespace, "age_s": max(0.0, time.time() - started_ms / 1e3)}
+        if (name, namespace) not in pending:
+            entry["error"] = "no operator credential here"
+            services.append(entry)
+            continue
+        try:
+            described, stats = ray.get(pending[(name, namespace)], timeout=0.1)
+            entry.update(describe=described, stats=stats)
+        except Exception as exc:   # one service that does not answer does not hide the others
+            entry["error"] = type(exc).__name__
+        services.append(entry)
+    return services
+
+
+def format_services(services: list[dict]) -> str:
+    if not services:
+        return "no cpattn services on this cluster (start one with `cpattn serve`)"
+    lines = [f"{'service':<20} {'namespace':<12} {'shards':>6} {'clients':>7} {'sequences':>9} {'KV blocks':>15} "
+             f"{'KV MiB':>8} {'age':>8}"]
+    for s in services:
+        head = f"{s['name']:<20} {s['namespace']:<12}"
+        if "stats" not in s:
+            lines.append(f"{head} not answering ({s['error']})")
+            continue
+        shards = s["stats"]["shards"]
+        alive = sum(1 for r in shards if r["alive"])
+        used = sum(r["blocks_used"] for r in shards)
+        total = used + sum(r["blocks_free"] for r in shards)
+        lines.append(f"{head} {f'{alive}/{len(shards)}':>6} {len(s['stats'].get('clients', {})):>7} "
+                     f"{s['stats']['num_sequences']:>9} {f'{used}/{total}':>15} "
+                     f"{sum(r['bytes'] for r in shards) / 2**20:>8.2f} {_age(s['age_s']):>8}")
+    return "\n".join(lines)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def list_services(args: argparse.Namespace) -> int:
+    connected = attach(args.address, "cpattn")
+    try:
+        services = gather_services()
+    finally:
+        detach(connected)
+    print(json.dumps(services, indent=2, default=str) if args.json else format_services(services))
     return 0
