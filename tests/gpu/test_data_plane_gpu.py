@@ -35,6 +35,24 @@ def _config(**overrides):
     return service_config(**base)
 
 
+def _checked_step(svc, cfg, oracle, request: dict[str, int]) -> float:
+    """One step of ``request``, every layer vs the float64 oracle (bf16 relative error < 1e-2); the worst."""
+    t = sum(request.values())
+    pending, worst = {}, 0.0
+    with svc.step(request) as step:
+        for layer in range(cfg.num_layers):
+            q, k, v = oracle.random_qkv(t)
+            out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+            assert out.is_cuda and out.dtype == torch.bfloat16
+            ref, new_kv = oracle.reference(request, layer, q, k, v)
+            rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, f"{request} layer {layer}: relative error {rel:.2e}"
+            worst = max(worst, rel)
+            pending.update(new_kv)
+    oracle.commit(pending)
+    return worst
+
+
 def _run_checked(svc, cfg, seed: int = 3, requests=REQUESTS):
     """Every request of ``requests`` (names mapped to fresh sequences), each layer vs the float64 oracle."""
     from service_oracle import Oracle
@@ -43,20 +61,7 @@ def _run_checked(svc, cfg, seed: int = 3, requests=REQUESTS):
     ids = {name: svc.add_sequence() for name in "abc"}
     worst = 0.0
     for named in requests:
-        request = {ids[n]: t for n, t in named.items()}
-        t = sum(request.values())
-        pending = {}
-        with svc.step(request) as step:
-            for layer in range(cfg.num_layers):
-                q, k, v = oracle.random_qkv(t)
-                out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                assert out.is_cuda and out.dtype == torch.bfloat16
-                ref, new_kv = oracle.reference(request, layer, q, k, v)
-                rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                assert rel < 1e-2, f"{named} layer {layer}: relative error {rel:.2e}"
-                worst = max(worst, rel)
-                pending.update(new_kv)
-        oracle.commit(pending)
+        worst = max(worst, _checked_step(svc, cfg, oracle, {ids[n]: t for n, t in named.items()}))
     assert svc.sequences() == {ids[n]: oracle.length(ids[n]) for n in "abc"}
     return oracle, ids, worst
 
@@ -127,15 +132,7 @@ def test_two_gpus_nccl_step_stopped_early_or_out_of_order_changes_nothing(ray_se
                 step.attend(1, q, k, v)
         assert svc.sequences() == {ids[n]: oracle.length(ids[n]) for n in "abc"}
         for _ in range(4):
-            pending = {}
-            with svc.step(request) as step:
-                for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(3)
-                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                    ref, new_kv = oracle.reference(request, layer, q, k, v)
-                    assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
-                    pending.update(new_kv)
-            oracle.commit(pending)
+            _checked_step(svc, cfg, oracle, request)
     finally:
         svc.shutdown()
 
@@ -201,15 +198,7 @@ def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
                         _wait_dead(remote)   # ray.kill returns before the process is gone
         assert time.monotonic() - t0 < cfg.collective_timeout_s + 30
         assert svc.sequences() == {i: oracle.length(i) for i in ids.values()}   # nothing committed
-        pending = {}
-        with svc.step(request) as step:
-            for layer in range(cfg.num_layers):
-                q, k, v = oracle.random_qkv(6)
-                out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                ref, new_kv = oracle.reference(request, layer, q, k, v)
-                assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
-                pending.update(new_kv)
-        oracle.commit(pending)
+        _checked_step(svc, cfg, oracle, request)
         assert svc.stats()["shards_replaced"] >= 1
     finally:
         svc.shutdown()
