@@ -118,11 +118,16 @@ def test_status_in_process(start_service, capsys):
     with svc.step({sid: 9}) as step:
         for layer in range(svc.config.num_layers):
             step.attend(layer, *(torch.randn(9, h, 8, dtype=torch.float64) for h in (4, 2, 2)))
-    assert main(["status", "--name", svc.config.name, "--namespace", svc.config.namespace]) == 0
+    target = ["--name", svc.config.name, "--namespace", svc.config.namespace]
+    # cpattn.start() wrote no credential file: its operator credential is the Service's, passed by flag.
+    assert main(["status", *target]) == 1
+    assert "needs the service's operator credential" in capsys.readouterr().err
+    target += ["--operator-credential", svc.operator_credential]
+    assert main(["status", *target]) == 0
     out = capsys.readouterr().out
     assert f"service {svc.config.name!r}" in out and "2 shards on 1 node(s)" in out
     assert "backend TORCH (torch " in out and "LSE base E" in out and "sequences 1" in out
-    assert main(["status", "--name", svc.config.name, "--namespace", svc.config.namespace, "--json"]) == 0
+    assert main(["status", *target, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     expected = svc.stats()
     assert [s["blocks_used"] for s in status["stats"]["shards"]] == [s["blocks_used"] for s in expected["shards"]]

@@ -66,6 +66,10 @@ class Shortfall:
         return f"missing {lacking}" + (f"; held by {held}" if held else "")
 
 
+COORDINATOR_CLASSES = ("RemoteCoordinator", "Coordinator")
+"""Ray's class names of a cpattn coordinator (RemoteCoordinator since the authority surface; Coordinator before)."""
+
+
 def wait_for_start(coordinator, config: ServiceConfig, operator_credential: str | None = None, report=None):
     """``coordinator.start(operator_credential)``, reporting a pending placement every REPORT_EVERY_S and
     failing with ServiceError once nothing can place the shards within ``placement_wait_s``."""
@@ -158,7 +162,7 @@ def _holders(groups, exclude_id: bytes) -> list[Holder]:
         res = _bundle_sum(g)
         _add(accounted, res)
         creator = by_id.get(g.creator_actor_id)
-        if creator is not None and creator.class_name == "Coordinator":
+        if creator is not None and creator.class_name in COORDINATOR_CLASSES:
             flags = "" if creator.name == "cpattn" else f" --name {creator.name}"
             flags += "" if creator.ray_namespace == "cpattn" else f" --namespace {creator.ray_namespace}"
             holders.append(Holder(f"service {creator.name!r} (namespace {creator.ray_namespace!r})", res,

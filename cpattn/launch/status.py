@@ -11,12 +11,17 @@ from cpattn.launch.common import attach, detach
 _STATUS_TIMEOUT_S = 30.0
 
 
-def gather_status(name: str, namespace: str, operator_credential: str) -> dict:
-    """The coordinator's description (config, shards) and live stats (blocks, sequences) of one service."""
+def gather_status(name: str, namespace: str, credential_for) -> dict:
+    """The coordinator's description (config, shards) and live stats (blocks, sequences) of one service.
+    ``credential_for()`` gives its operator credential, asked once the service is known to exist."""
     from cpattn.cluster.rpc import call
     from cpattn.cluster.service import find_coordinator
 
-    coordinator = find_coordinator(name, namespace)
+    try:
+        coordinator = find_coordinator(name, namespace)
+    except ServiceError as exc:
+        raise ServiceError(f"{exc} (`cpattn list` shows every service on the cluster)") from None
+    operator_credential = credential_for()
     described = call(coordinator.describe.remote(operator_credential), _STATUS_TIMEOUT_S, "describe")
     stats = call(coordinator.stats.remote(operator_credential, True), _STATUS_TIMEOUT_S, "stats")   # admin view
     return {"describe": described, "stats": stats}
@@ -85,9 +90,7 @@ def status(args: argparse.Namespace) -> int:
     name, namespace = args.name or "cpattn", args.namespace or "cpattn"
     connected = attach(args.address, namespace)
     try:
-        result = gather_status(name, namespace, _operator_credential(args, name, namespace)[0])
-    except ServiceError as exc:
-        raise ServiceError(f"{exc} (`cpattn list` shows every service on the cluster)") from None
+        result = gather_status(name, namespace, lambda: _operator_credential(args, name, namespace)[0])
     finally:
         detach(connected)
     print(json.dumps(result, indent=2, default=str) if args.json else format_status(result))
@@ -130,10 +133,10 @@ def gather_services() -> list[dict]:
 
     import ray
 
-    from cpattn.cluster.placement_wait import alive_actors
+    from cpattn.cluster.placement_wait import COORDINATOR_CLASSES, alive_actors
 
     found = sorted(((a.name, a.ray_namespace, a.start_time) for a in alive_actors()
-                    if a.class_name in ("Coordinator", "RemoteCoordinator") and a.name), key=lambda f: (f[1], f[0]))
+                    if a.class_name in COORDINATOR_CLASSES and a.name), key=lambda f: (f[1], f[0]))
     pending = {}
     for name, namespace, _ in found:
         try:
