@@ -13,7 +13,7 @@ import ray
 import torch
 
 import cpattn
-from cpattn.errors import CapacityError, InvalidRequestError
+from cpattn.errors import CapacityError, IncompleteStepError, InvalidRequestError
 from conftest import service_config
 from service_oracle import Oracle, run_step, tolerance
 
@@ -69,9 +69,11 @@ def test_exception_inside_step_rolls_back(env):
 def test_step_exited_early_rolls_back(env, num_layers_attended):
     svc, oracle, a, b = env
     before = snapshot(svc, [a, b], with_kv=False)
-    with svc.step({a: 6, b: 2}) as step:
-        for layer in range(num_layers_attended):
-            step.attend(layer, *oracle.random_qkv(8))
+    missing = ", ".join(str(layer) for layer in range(num_layers_attended, svc.config.num_layers))
+    with pytest.raises(IncompleteStepError, match=rf"layers \[{missing}\] never attended"):
+        with svc.step({a: 6, b: 2}) as step:
+            for layer in range(num_layers_attended):
+                step.attend(layer, *oracle.random_qkv(8))
     assert snapshot(svc, [a, b], with_kv=False) == before
     prove_unchanged(env, before, with_kv=False)
 
@@ -222,8 +224,9 @@ def test_step_reused_after_exit_is_rejected(env):
     with pytest.raises(InvalidRequestError, match=r"attend\(\) needs an open step \(this one is committed\)"):
         step.attend(0, *oracle.random_qkv(1))
     aborted = svc.step({b: 1})
-    with aborted:
-        pass
+    with pytest.raises(IncompleteStepError):
+        with aborted:
+            pass
     with pytest.raises(InvalidRequestError, match="this step is rolled_back"):
         aborted.__enter__()
     with pytest.raises(InvalidRequestError, match="needs an open step"):
