@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,14 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
                                    rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank]),
                                    incarnation=incarnation))
     return plans
+
+
+def for_client(plan: ShardStepPlan) -> ShardStepPlan:
+    """The plan of a shard the client computes in its own process: without the shard secret (the client never
+    calls that shard) and without its block table (sent as deltas, cluster/page_delta.py)."""
+    num_seqs = plan.metadata.block_table_tensor.shape[0]
+    md = dataclasses.replace(plan.metadata, block_table_tensor=torch.empty(num_seqs, 0, dtype=torch.int64))
+    return dataclasses.replace(plan, auth=None, metadata=md)
 
 
 def computed_rows(query_lens_B: torch.Tensor, local_context_B: torch.Tensor,
