@@ -145,12 +145,13 @@ def test_open_steps_one_per_client_and_shard_threads_counted():
     steps.open(_step(step_id, "c-1", ["r1"]))
     with pytest.raises(CapacityError, match=r"already holds 1 open step\(s\)"):
         steps.check_can_open("c-1")
-    steps.close(steps.of(step_id, "c-1"), drain=True)     # rolled back; its shard call still runs
+    steps.close(steps.of(step_id, "c-1"), committed=False, drain=True)     # rolled back; its shard call still runs
     steps.open(_step(steps.new_id()[0], "c-2"))
     with pytest.raises(CapacityError, match=r"2 steps are open .*max_open_steps=2"):
         steps.check_can_open("c-3")
     still.clear()                                          # the shard call returned
     steps.check_can_open("c-3")
+    assert (steps.num_committed, steps.num_rolled_back) == (0, 1)
     assert steps.of(2, "c-1") is None and steps.of([2], "c-2") is None   # another's, unhashable: unknown
 
 

@@ -41,9 +41,6 @@ def _still_running(refs: list) -> list:
 
 
 class Coordinator:
-    """Orchestrates its state owners (ClientRegistry, SequenceTable, OpenSteps, ShardSet) under one lock; every
-    remote method is here, in the order its checks and effects happen."""
-
     def __init__(self, config: ServiceConfig, backend_registry: dict | None = None,
                  operator_digest: str | None = None):
         self.config = config
@@ -63,27 +60,26 @@ class Coordinator:
         self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
         # Bumped by every coordinator restart; every plan carries it and shards refuse older ones once fenced.
         self.incarnation = 1
-        self.num_steps_committed = 0
-        self.num_steps_rolled_back = 0
         self.num_shards_replaced = 0
         self._stop = threading.Event()
         self.metrics = ServiceMetrics(config.name)
         self.restored = False
-        meta, records = self.journal.load() if self.journal is not None else (None, {})
-        if meta is not None:
-            self._restore(meta, records)
+        if self.journal is not None:
+            self._restore(*self.journal.load())
 
     def _restore(self, meta: dict, records: dict) -> None:
-        """Restarted by Ray: re-attach to the detached shards and rebuild sequences from the journal."""
+        """Restarted by Ray (the journal holds ``meta``): re-attach to the detached shards, rebuild sequences."""
+        if meta is None:
+            return
         self._shard_secret = meta.get("shard_secret", self._shard_secret)
         self.shard_set.secret = self._shard_secret
         self.shard_set.attach(meta["bundles"])
         self.table.restore(records)
         self.clients.restore(meta)
-        self.epoch, self.table.dropped = meta["epoch"], dict(meta["dropped"])
+        self.table.dropped = dict(meta["dropped"])
         self.steps = OpenSteps(self.config.max_open_steps, _still_running, meta["next_step"])
         self.incarnation = meta.get("incarnation", 1) + 1
-        self.epoch += 1         # every client rebuilds its data-plane group (old groups may hold fenced steps)
+        self.epoch = meta["epoch"] + 1   # every client rebuilds its data-plane group (old ones may hold fenced steps)
         self._persist_meta()    # a restart during the fence below must not reuse this incarnation
         self.recovery.fence(self.incarnation)
         self.restored = True
@@ -93,11 +89,9 @@ class Coordinator:
 
     def _persist_meta(self) -> None:
         if self.journal is not None:
-            self.journal.put_meta({"epoch": self.epoch, "dropped": dict(self.table.dropped),
+            self.journal.put_meta({"epoch": self.epoch, "dropped": dict(self.table.dropped), **self.clients.to_meta(),
                                    "incarnation": self.incarnation, "shard_secret": self._shard_secret,
-                                   **self.clients.to_meta(),
-                                   # never reuse a step id after a restart
-                                   "next_step": self.steps.next_step + STEP_ID_RESERVE,
+                                   "next_step": self.steps.next_step + STEP_ID_RESERVE,   # never reused after restart
                                    "bundles": self.shard_set.bundles})
 
     def authorize(self, rule: authority.Rule, proof, arguments: dict, method: str) -> None:
@@ -244,9 +238,7 @@ class Coordinator:
             self.table.check_quota(client_id, num_tokens)
             growth = self.table.grow([seq], [seq.length + num_tokens])
             plans = plan_step(self.table.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
-                              self.incarnation)
-            for plan in plans:
-                plan.auth = self._shard_secret
+                              self.incarnation, self._shard_secret)
             self.table.begin([seq], -1)
             shards = list(self.shard_set.handles)
         try:
@@ -297,12 +289,10 @@ class Coordinator:
             requests = [StepRequest(s.rows, s.length, n) for s, n in zip(seqs, request.values())]
             try:
                 plans = plan_step(self.table.allocator, requests, step_id, self.config.pcp_enabled,
-                                  self.config.pcp_min_tokens, self.incarnation)
+                                  self.config.pcp_min_tokens, self.incarnation, self._shard_secret)
             except BaseException:
                 self.table.undo(growth, [s.seq_id for s in seqs], step_id)
                 raise
-            for plan in plans:
-                plan.auth = self._shard_secret
             self.table.begin(seqs, step_id)
             step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], new_lengths, growth,
                             plans[0].num_tokens, self.epoch, local)
@@ -342,8 +332,7 @@ class Coordinator:
             self.clients.touch(step.client_id)
             self.table.commit(step.seq_ids, step.new_lengths, step_id, commit)
             if commit:
-                self.steps.close(step, drain=False)
-                self.num_steps_committed += 1
+                self.steps.close(step, committed=True)
                 self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
             else:
                 self._roll_back(step, drain=failure is not None)
@@ -363,9 +352,8 @@ class Coordinator:
 
     def _roll_back(self, step: OpenStep, drain: bool) -> None:
         """Under the lock: close an open step without committing (its pages return)."""
-        self.steps.close(step, drain)
+        self.steps.close(step, committed=False, drain=drain)
         self.table.undo(step.growth, step.seq_ids, step.step_id)
-        self.num_steps_rolled_back += 1
         self.metrics.record_rollback()
 
     def _after_failure(self, step: OpenStep, failure: str) -> dict:
@@ -400,7 +388,7 @@ class Coordinator:
             me = self.clients.client_of(credential)
             others = len([c for c in self.clients.ids() if c != me])
             return {**usage_report(self.config, self.table, self.shard_set, me, admin, others),
-                    "steps_committed": self.num_steps_committed, "steps_rolled_back": self.num_steps_rolled_back,
+                    "steps_committed": self.steps.num_committed, "steps_rolled_back": self.steps.num_rolled_back,
                     "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
                     "open_steps": len(self.steps), "num_clients": len(self.clients)}
 

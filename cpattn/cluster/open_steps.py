@@ -45,6 +45,8 @@ class OpenSteps:
         self.draining: list[list] = []       # shard calls of rolled-back steps still holding a thread
         self.next_step = next_step
         self.first_step = next_step          # steps numbered below this were begun by an earlier incarnation
+        self.num_committed = 0
+        self.num_rolled_back = 0
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -99,9 +101,13 @@ class OpenSteps:
     def open(self, step: OpenStep) -> None:
         self.steps[step.step_id] = step
 
-    def close(self, step: OpenStep, drain: bool) -> None:
+    def close(self, step: OpenStep, committed: bool, drain: bool = False) -> None:
         """The step is over; with ``drain`` its shard calls may still hold threads until they return."""
         self.steps.pop(step.step_id, None)
+        if committed:
+            self.num_committed += 1
+        else:
+            self.num_rolled_back += 1
         if drain and step.refs:
             self.draining.append(list(step.refs))
 

@@ -47,8 +47,10 @@ class StepRequest:
 
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
-              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0) -> list[ShardStepPlan]:
-    """One ShardStepPlan per rank; pages for the new tokens must already be allocated."""
+              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
+              auth: str | None = None) -> list[ShardStepPlan]:
+    """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
+    secret the plans carry (a shard runs only plans of its coordinator)."""
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]
@@ -69,7 +71,7 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
                                    causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
                                    rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank]),
-                                   incarnation=incarnation))
+                                   incarnation=incarnation, auth=auth))
     return plans
 
 
