@@ -23,6 +23,7 @@ import hmac
 import inspect
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
 from cpattn.errors import AccessDeniedError
 
@@ -105,6 +106,29 @@ def matches_secret(proof, secret: str | None) -> bool:
 
 def refuse(who: str, method: str, fix: str) -> AccessDeniedError:
     return AccessDeniedError(f"{who}: {method} refused: {fix}")
+
+
+UNKNOWN_CLIENT = ("unknown client credential (closed, or its lease lapsed after client_lease_s without a call or "
+                  "heartbeat): connect again with cpattn.connect()")
+
+
+def authorize_coordinator_call(rule: Rule, proof, method: str, who: str, operator_digest: str | None,
+                               is_client: Callable[[object], bool]) -> None:
+    """Raise AccessDeniedError unless ``proof`` satisfies ``rule`` (a COORDINATOR_METHODS entry).
+    ``is_client(proof)``: does the proof belong to a connected client."""
+    if rule.who == OPEN:
+        return
+    operator = matches_digest(proof, operator_digest)
+    if rule.who == OPERATOR:
+        if not operator:
+            raise refuse(who, method, "it needs the operator credential (printed by `cpattn serve`, "
+                                      "Service.operator_credential of cpattn.start)")
+        return
+    if rule.who == CLIENT_OR_OPERATOR and operator:
+        return
+    if not is_client(proof):
+        raise AccessDeniedError(f"{method}: {UNKNOWN_CLIENT}" +
+                                (", or pass the operator credential" if rule.who == CLIENT_OR_OPERATOR else ""))
 
 
 def remote_surface(impl_cls: type, table: dict[str, Rule], name: str, module: str) -> type:

@@ -59,9 +59,11 @@ class ServiceMetrics:
         if self.enabled:
             self.steps.inc(1, tags={**self._tags, "outcome": "rollback"})
 
-    def set_blocks_used(self, rank: int, num_blocks: int) -> None:
+    def set_blocks_used(self, per_shard: list[int]) -> None:
+        """Pages in use on each shard (index = rank)."""
         if self.enabled:
-            self.blocks_used.set(int(num_blocks), tags={**self._tags, "shard": str(rank)})
+            for rank, num_blocks in enumerate(per_shard):
+                self.blocks_used.set(int(num_blocks), tags={**self._tags, "shard": str(rank)})
 
     def record_error(self, exc_type_name: str) -> None:
         """One error raised to a client; tag it with the exception's class name (e.g. CapacityError)."""

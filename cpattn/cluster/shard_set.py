@@ -263,6 +263,14 @@ class ShardSet:
             self.lost.pop(rank, None)
             self._silent_since.pop(rank, None)
 
+    def drop_client(self, handles: list, client_id: str, ended_at: float) -> None:
+        """Every shard closes the client's data-plane groups and voids its tickets issued before ``ended_at``."""
+        refs = [h.drop_client.remote(self.secret, client_id, ended_at) for h in handles]
+        try:
+            ray.get(refs, timeout=self.config.rpc_timeout_s)
+        except Exception as exc:   # a lost shard's groups went with it
+            logger.warning("dropping client %s's groups: %s", client_id, exc)
+
     def teardown(self) -> None:
         for h in self.handles:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,10 @@ class StepRequest:
 
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
-              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0) -> list[ShardStepPlan]:
-    """One ShardStepPlan per rank; pages for the new tokens must already be allocated."""
+              pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
+              auth: str | None = None) -> list[ShardStepPlan]:
+    """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
+    secret the plans carry (a shard runs only plans of its coordinator)."""
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]
@@ -68,8 +71,16 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
                                    causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
                                    rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank]),
-                                   incarnation=incarnation))
+                                   incarnation=incarnation, auth=auth))
     return plans
+
+
+def for_client(plan: ShardStepPlan) -> ShardStepPlan:
+    """The plan of a shard the client computes in its own process: without the shard secret (the client never
+    calls that shard) and without its block table (sent as deltas, cluster/page_delta.py)."""
+    num_seqs = plan.metadata.block_table_tensor.shape[0]
+    md = dataclasses.replace(plan.metadata, block_table_tensor=torch.empty(num_seqs, 0, dtype=torch.int64))
+    return dataclasses.replace(plan, auth=None, metadata=md)
 
 
 def computed_rows(query_lens_B: torch.Tensor, local_context_B: torch.Tensor,

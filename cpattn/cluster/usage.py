@@ -1,0 +1,31 @@
+"""What ``stats()`` reports: per shard its pages, tokens and bytes, per client its sequences and tokens.
+
+A pure function of the coordinator's state owners (called under the coordinator's lock).
+"""
+
+from __future__ import annotations
+
+from cpattn.cluster.sequence_table import SequenceTable
+from cpattn.cluster.shard_set import ShardSet
+from cpattn.config import ServiceConfig
+
+
+def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, me: str | None, admin: bool,
+                 num_other_clients: int) -> dict:
+    """``clients`` lists only ``me`` (every client when ``admin``); the others are counted in ``other_clients``."""
+    infos, bytes_per_block = shard_set.infos, cfg.bytes_per_block()
+    shards = []
+    for rank in range(cfg.num_shards):
+        pool = table.allocator.pools[rank]
+        info = infos[rank] if rank < len(infos) else {}
+        shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
+                       "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
+                       "tokens": table.tokens_on(rank), "bytes": pool.num_used_blocks * bytes_per_block,
+                       **{k: info.get(k) for k in ("node_ip", "node_id", "device", "backend")},
+                       "alive": rank not in shard_set.lost})
+    per_client, others = table.usage_by_client(me, admin)
+    return {"shards": shards, "num_sequences": len(table.sequences), "clients": per_client,
+            "other_clients": {"clients": num_other_clients, **others},
+            "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
+            "backend": infos[0]["backend"] if infos else None,
+            "kernel_version": infos[0]["kernel_version"] if infos else None}
