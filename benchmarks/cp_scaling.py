@@ -130,31 +130,34 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float) -> list[dict]:
-    """One service of ``gpus`` shards (one GPU each) per case, sized for it; whole steps timed."""
+def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float,
+                 one_service: bool = False) -> list[dict]:
+    """One service of ``gpus`` shards (one GPU each) per case, sized for it (``one_service``: one for all the
+    cases, as --smoke does so that it runs in seconds); whole steps timed."""
     import cpattn
 
     rows = []
-    for case in cases:
-        layers = layers_that_fit(case, gpus, wanted_layers, budget_gb)
-        backend = usable_backend(case.backend)
-        tokens_per_shard = -(-case.batch * (case.context + case.new * (repeats + 2)) // gpus)
-        blocks = tokens_per_shard // BLOCK + 2 * case.batch + 16
+    for group in ([cases] if one_service else [[c] for c in cases]):
+        layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb) for c in group)
+        backends = {c.name: usable_backend(c.backend) for c in group}
+        blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2)) // gpus) // BLOCK + 2 * c.batch + 16
+                     for c in group)
         gpu = DEVICE == "cuda"
         cfg = cpattn.ServiceConfig(num_shards=gpus, num_layers=layers, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
-                                   block_size=BLOCK, dtype=str(DTYPE).removeprefix("torch."), backend=backend,
-                                   device=DEVICE, num_gpus_per_shard=1 if gpu else 0,
+                                   block_size=BLOCK, dtype=str(DTYPE).removeprefix("torch."),
+                                   backend=backends[group[0].name], device=DEVICE, num_gpus_per_shard=1 if gpu else 0,
                                    num_cpus_per_shard=1 if gpu else 0.25, num_blocks_per_shard=blocks,
                                    name=f"cp-scaling-{gpus}", rpc_timeout_s=600, collective_timeout_s=600,
                                    shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
                                    # one step of the case, whatever its size (the default caps steps at 16K)
-                                   max_tokens_per_step=max(16384, case.batch * case.new))
+                                   max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)))
         svc = cpattn.start(cfg)
         try:
-            rows.append(_measure(svc, case, gpus, layers, repeats, backend))
+            for case in group:
+                rows.append(_measure(svc, case, gpus, layers, repeats, backends[case.name]))
+                print(_fmt(rows[-1]), flush=True)
         finally:
             svc.shutdown()
-        print(_fmt(rows[-1]), flush=True)
     return rows
 
 
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                         else float("nan")) for c in cases}
     rows = []
     for gpus in map(int, args.gpus.split(",")):
-        for row in service_rows(gpus, cases, args.layers, args.repeats, args.kv_budget_gb):
+        for row in service_rows(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke):
             row["kernel_ms"] = kernels[row["case"]]
             row["speedup"] = row["kernel_ms"] / row["ms_per_layer"]
             rows.append(row)
