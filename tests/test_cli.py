@@ -201,7 +201,7 @@ def ray_head():
         # The README's teardown: Ctrl-C in the head's terminal (SIGINT to its process group) stops the head and
         # everything it started, and nothing else.
         os.killpg(proc.pid, signal.SIGINT)
-        left = wait_session_empty(proc.pid, 30)
+        left = wait_session_empty(proc.pid, 90)   # Ray's workers notice their raylet is gone within ~a minute
         assert left == [], f"Ctrl-C left processes of the head running: {left}"
     finally:
         kill_session(proc.pid)
