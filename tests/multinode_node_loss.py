@@ -32,7 +32,10 @@ def main() -> int:
             num_shards=3, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4, dtype="float64",
             num_blocks_per_shard=64, num_cpus_per_shard=1, placement_strategy="SPREAD", kv_replicas=2,
             pcp_min_tokens=8, name="cpattn-node-loss", rpc_timeout_s=60.0, collective_timeout_s=20.0,
-            health_check_interval_s=0.5, start_timeout_s=120.0)
+            health_check_interval_s=0.5, start_timeout_s=120.0,
+            # The commit's outcome at the step's end: a step the service ends with "run it again" (the lost node's
+            # shard is silent, not yet replaced) then fails inside step() below, which runs it again.
+            async_commit=False)
         svc = cpattn.start(cfg)
         try:
             info = svc.info()
