@@ -133,7 +133,7 @@ class Service:
         lists every client by its public id (an operator's view: needs ``operator_credential``)."""
         if not admin:
             return self.gateway.call("stats", admin)
-        self.gateway.flush()
+        self.gateway.flush(end_run=True)
         return _call(self.gateway.coordinator.stats.remote(self.operator_credential, True), self.config.rpc_timeout_s,
                      "stats")
 
@@ -162,7 +162,7 @@ class Service:
         self._closed = True
         if not was_closed:
             try:
-                self.gateway.flush()
+                self.gateway.flush(end_run=True)
             except CpattnError as exc:
                 logger.warning("shutting down: %s", exc)
         self.gateway.lease.stop()

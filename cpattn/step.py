@@ -69,7 +69,7 @@ class Step:
             self._gw.claim(self)   # first: a second thread is refused before it touches anything
         try:
             if not self._claimed:
-                self._gw.flush()   # the previous step's commit is settled before this one begins
+                self._gw.flush(continuing=self._request)   # the previous step's commit is settled first
             self._begin()
         except BaseException:
             self._gw.release(self)
@@ -167,7 +167,8 @@ class Step:
                 return
 
     def _end(self, commit: bool, why: str | None) -> dict:
-        return self._gw.end_step(self._info["step_id"], commit, why)
+        return self._gw.end_step_of(self._info["step_id"], commit, why,
+                                    shards_waiting=len(self._attended) == self._gw.config.num_layers)
 
     def _fail_closed(self, why: str) -> None:
         self._close("rolled_back")
@@ -257,11 +258,8 @@ class Step:
             raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
                                       "reach the KV cache (set nan_policy='allow' to accept them)")
         if not self._sync_commit:
-            from cpattn.cluster.gateway import PendingCommit
-
+            self._gw.commit_async(self._info["step_id"], self._request, self._replay, self.timings)
             self._close("committed")
-            self._gw.pending = PendingCommit(self._info["step_id"], self._request, self._replay, self.timings,
-                                             self._gw.end_step_async(self._info["step_id"]))
             return
         while True:
             # The shards ended the step after the last layer; the coordinator commits it.

@@ -16,7 +16,7 @@ import time
 
 import ray
 
-from cpattn.cluster import authority, step_outcome
+from cpattn.cluster import authority, decode_run, step_outcome
 from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
@@ -189,7 +189,7 @@ class Coordinator:
                 return
             rolled_back = self.steps.held_by(client_id)
             for step in rolled_back:
-                self._roll_back(step, drain=True)
+                self._close(step, committed=False, drain=True)
             if free_sequences is None:
                 free_sequences = lease.on_lapse == "free"
             freed = self.table.free_idle_of(client_id) if free_sequences else []
@@ -253,12 +253,14 @@ class Coordinator:
 
     # Steps ----------------------------------------------------------------------------------------
     def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None,
-                   local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None) -> dict:
+                   local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None, ahead: int = 1) -> dict:
         """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
         ``local_ranks``: shards on the client's GPU, whose share the client computes itself on their
         KV cache (opened by CUDA IPC); their plans come back in the reply instead of going to them, with
         block tables as deltas against ``held`` ({seq_id: {rank: (version, pages)}}, cluster/page_delta.py).
+        ``ahead`` > 1 on a decode-only request plans a decode run of up to that many steps (cluster/decode_run.py):
+        the reply's ``later`` holds the plans of its steps after the first.
         A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
         (nothing planned) and rebuilds its group first.
         """
@@ -278,64 +280,82 @@ class Coordinator:
                 check_step_size(num_tokens, self.config.max_tokens_per_step)
                 self.table.check_quota(client_id, num_tokens)
                 self.steps.check_can_open(client_id)
-                new_lengths = [s.length + n for s, n in zip(seqs, request.values())]
-                growth = self.table.grow(seqs, new_lengths)        # raises CapacityError before changing anything
+                num_steps = decode_run.run_length(request, ahead, self.steps.free_threads() - 1,
+                                                  len(self.clients) - 1)
+                lengths = [s.length for s in seqs]
+                growth = self.table.grow(seqs, [n + t for n, t in zip(lengths, request.values())])   # raises first
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
                 raise
-            step_id, reserve = self.steps.new_id()
-            if reserve:
-                self._persist_meta()
-            requests = [StepRequest(s.rows, s.length, n) for s, n in zip(seqs, request.values())]
+            later_growths = decode_run.grow_run(self.table, client_id, seqs, num_steps)
+            step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
             try:
-                plans = plan_step(self.table.allocator, requests, step_id, self.config.pcp_enabled,
-                                  self.config.pcp_min_tokens, self.incarnation, self._shard_secret)
+                runs = [plan_step(self.table.allocator, [StepRequest(s.rows, n + j, t) for s, n, t in
+                                                         zip(seqs, lengths, request.values())],
+                                  step_id, self.config.pcp_enabled, self.config.pcp_min_tokens, self.incarnation,
+                                  self._shard_secret) for j, step_id in enumerate(step_ids)]
             except BaseException:
-                self.table.undo(growth, [s.seq_id for s in seqs], step_id)
+                for g in reversed([growth, *later_growths]):
+                    self.table.undo(g, [s.seq_id for s in seqs], step_ids[0])
                 raise
-            self.table.begin(seqs, step_id)
-            step = OpenStep(step_id, client_id, [s.seq_id for s in seqs], new_lengths, growth,
-                            plans[0].num_tokens, self.epoch, local)
+            self.table.begin(seqs, step_ids[0])
+            new_lengths = [n + t + len(later_growths) for n, t in zip(lengths, request.values())]
+            step = OpenStep(step_ids[0], client_id, [s.seq_id for s in seqs], new_lengths, growth,
+                            runs[0][0].num_tokens, self.epoch, local, later_growths=later_growths)
             self.steps.open(step)
             shards = list(self.shard_set.handles)
-        step.refs = [h.run_step.remote(group_name, plan) for rank, (h, plan) in enumerate(zip(shards, plans))
-                     if rank not in local]
+        step.refs = [h.run_step.remote(group_name, runs[0][rank], [plans[rank] for plans in runs[1:]])
+                     for rank, h in enumerate(shards) if rank not in local]
         step.plan_s = time.perf_counter() - t0
-        local_plans = {r: for_client(plans[r]) for r in local}
-        local_pages = {r: self.table.page_deltas(r, seqs, plans[r].metadata.block_table_tensor, held) for r in local}
-        return {"step_id": step_id, "num_tokens": plans[0].num_tokens, "seq_ids": step.seq_ids,
-                "query_lens": [r.num_new for r in requests], "plan_s": step.plan_s, "epoch": self.epoch,
-                "local_plans": local_plans, "local_pages": local_pages,
-                "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+        # The client's in-process shards: one block table for the whole run (its last step's pages).
+        local_pages = {r: self.table.page_deltas(r, seqs, runs[-1][r].metadata.block_table_tensor, held)
+                       for r in local}
+        planned = [{"step_id": step_id, "local_plans": {r: for_client(plans[r]) for r in local},
+                    "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+                   for step_id, plans in zip(step_ids, runs)]
+        return {**planned[0], "num_tokens": runs[0][0].num_tokens, "seq_ids": step.seq_ids,
+                "query_lens": list(request.values()), "plan_s": step.plan_s, "epoch": self.epoch,
+                "local_pages": local_pages, "later": planned[1:]}
+
+    def _new_step_id(self) -> int:
+        step_id, reserve = self.steps.new_id()
+        if reserve:
+            self._persist_meta()
+        return step_id
 
     def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None,
-                 credential: str | None = None) -> dict:
+                 credential: str | None = None, done: int | None = None, ends_run: bool = False) -> dict:
         """Commit (lengths advance) or roll back (pages return).
 
         A failed step is rolled back; lost shards are replaced. Returns ``recovered: True`` when
         every sequence of the step survived (the client may replay it); raises ShardLostError
-        naming the sequences whose KV was lost otherwise.
+        naming the sequences whose KV was lost otherwise. A decode run (``step_id`` its first step) says
+        in ``done`` how many of its steps completed: a commit before its last one advances the lengths and
+        returns at once unless ``ends_run`` (the client left the run: the rest of its pages return);
+        ``commit=False`` keeps the first ``done`` steps and rolls back the one in flight.
         """
         with self._lock:
             client_id = self.clients.check(credential)
             step = self.steps.of(step_id, client_id)
             if step is None:
                 return self._unknown_step(step_id)
+            kept = int(commit) if step.num_substeps == 1 else decode_run.check_done(done, step.num_substeps)
+            if commit and kept < step.num_substeps and not ends_run:   # a run goes on: nothing to wait for
+                if kept > step.done:
+                    step.done = kept
+                    self.table.advance(step.seq_ids, step.lengths_after(kept), step_id + kept - 1)
+                return {"advanced": kept}
         reports, failure = self.recovery.step_failure(step, data_plane_error, lambda: self.epoch)
         if failure is not None:
-            commit = False
+            kept = min(kept, step.num_substeps - 1)   # the step in flight (a plain step: the step) failed
             self.recovery.settle(time.monotonic() + END_STEP_SETTLE_S)
         with self._lock:
             if not self.steps.is_open(step):   # rolled back meanwhile: the client's lease lapsed
                 raise InvalidRequestError(f"step {step_id} was rolled back: its client ended (closed, or its lease "
                                           "lapsed); connect again and run the step again")
             self.clients.touch(step.client_id)
-            self.table.commit(step.seq_ids, step.new_lengths, step_id, commit)
-            if commit:
-                self.steps.close(step, committed=True)
-                self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
-            else:
-                self._roll_back(step, drain=failure is not None)
+            step.done = max(step.done, kept)
+            self._close(step, committed=commit and failure is None, drain=failure is not None)
             self._publish_blocks_used()
         if failure is None:
             return step_outcome.shard_timings(reports)
@@ -350,11 +370,18 @@ class Coordinator:
             self.metrics.record_error("StepFencedError")
         raise step_outcome.unknown_step_error(step_id, before)
 
-    def _roll_back(self, step: OpenStep, drain: bool) -> None:
-        """Under the lock: close an open step without committing (its pages return)."""
-        self.steps.close(step, committed=False, drain=drain)
-        self.table.undo(step.growth, step.seq_ids, step.step_id)
-        self.metrics.record_rollback()
+    def _close(self, step: OpenStep, committed: bool, drain: bool = False) -> None:
+        """Under the lock: close an open step. Its first ``step.done`` steps (a plain step: all or none) keep
+        their tokens; the pages of the rest return. ``committed``: the client ended it, nothing failed."""
+        self.steps.close(step, committed=committed, drain=drain)
+        if step.done:
+            self.table.commit(step.seq_ids, step.lengths_after(step.done), step.step_id + step.done - 1, True)
+        for growth in step.growths_from(step.done):
+            self.table.undo(growth, step.seq_ids, step.step_id)
+        if committed:
+            self.metrics.record_step(time.perf_counter() - step.started, step.num_tokens)
+        else:
+            self.metrics.record_rollback()
 
     def _after_failure(self, step: OpenStep, failure: str) -> dict:
         """A rolled-back step: say whether to run it again now, later, or (its KV lost) never."""

@@ -17,6 +17,10 @@ Wire protocol per layer: one broadcast out, one point-to-point message back per 
            an NCCL receive from a dead peer does not fail on the host, it is aborted after the timeout.
 A shard's step ends after it served every layer (the coordinator, not the shard, decides commit
 or rollback, so no closing message is needed) or on ABORT when the client stops early.
+A decode run (several decode steps planned by one begin_step, gateway.DecodeRun) puts one more message
+before each step after the first:
+  run header  uint8 [32] = int64 (NEXT or END, index of the step in the run, step_id, T), from rank 0;
+           END when the client stops the run early (its shards return and hold no thread).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class WireError(Exception):
 
 CMD_ATTEND = 1
 CMD_ABORT = 3
+CMD_NEXT = 4   # run header: the run's next step follows
+CMD_END = 5    # run header: the run ends here
 HEADER_BYTES = 32
 TAG_BYTES = 8
 
@@ -196,6 +202,18 @@ class DataPlane:
         command, layer, step_id, t = message[:HEADER_BYTES].view(torch.int64).tolist()
         packed = message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size)
         return (command, layer, step_id, t), packed.to(device, non_blocking=True)
+
+    def send_run_header(self, command: int, index: int, step_id: int, num_tokens: int,
+                        device: torch.device) -> None:
+        """Rank 0: NEXT before each step of a run after its first, END when the run stops early."""
+        self.broadcast(torch.tensor([command, index, step_id, num_tokens], dtype=torch.int64).to(device))
+
+    def recv_run_header(self, device: torch.device) -> tuple[int, int, int, int]:
+        """Other ranks: the run header (a host wait, once per step of a run)."""
+        header = torch.empty(4, dtype=torch.int64, device=device if self.backend == "nccl" else "cpu")
+        self.broadcast(header)
+        command, index, step_id, t = header.tolist()
+        return command, index, step_id, t
 
     def recv_layer_ahead(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,9 @@ import torch
 
 from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
+from cpattn.cluster.client_run import RUN_IDLE_S, DecodeRun, RunReaper
+from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, WireError, create_group,
+                                       partial_tag)
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.netbind import bind_address
@@ -40,6 +42,10 @@ from cpattn.config import ServiceConfig
 from cpattn.errors import ConfigError, CpattnError, InvalidRequestError, ServiceError
 
 logger = logging.getLogger("cpattn")
+
+RUN_KEEPING_CALLS = ("sequence_length", "list_sequences", "add_sequence", "describe")
+"""Coordinator calls that only read (or add a sequence): a decode run goes on across them."""
+_REAPING = object()   # open_step while the RunReaper ends an idle run
 
 
 @dataclass
@@ -123,9 +129,13 @@ class Gateway:
         self.remote: list[int] = []
         self.shards: list = []
         self.pending: PendingCommit | None = None
+        self.run: DecodeRun | None = None
+        self._run_lock = threading.RLock()
+        self._reaper: RunReaper | None = None
         self.open_step = None
         self.last_step_timings: dict[str, float] = {}
         self._guard = threading.Lock()
+        self._reaped = threading.Condition(self._guard)
         self._store = None
         self._generation = 0
         self._ticket: str | None = None
@@ -148,30 +158,104 @@ class Gateway:
 
     # Coordinator calls ---------------------------------------------------------------------------
     def call(self, method: str, *args, timeout_s: float | None = None):
-        """A coordinator call proving this client's credential, after its previous commit was confirmed."""
-        self.flush()
+        """A coordinator call proving this client's credential, after its previous commit was confirmed (and
+        its decode run ended, unless the call only reads)."""
+        self.flush(end_run=method not in RUN_KEEPING_CALLS)
         return call(getattr(self.coordinator, method).remote(self.credential, *args),
                     timeout_s or self.config.rpc_timeout_s, method)
 
-    def end_step(self, step_id: int, commit: bool, why: str | None) -> dict:
+    def end_step(self, step_id: int, commit: bool, why: str | None, done: int | None = None,
+                 ends_run: bool = False) -> dict:
         """end_step, asked again across a detached coordinator's restart (it knows from its journal whether
         the step committed, else raises StepFencedError: run the step again)."""
         cfg = self.config
-        return call_across_restart(lambda: self.coordinator.end_step.remote(step_id, commit, why, self.credential),
-                                   cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step",
-                                   cfg.rpc_timeout_s if cfg.detached else 0.0)
+        return call_across_restart(
+            lambda: self.coordinator.end_step.remote(step_id, commit, why, self.credential, done, ends_run),
+            cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step", cfg.rpc_timeout_s if cfg.detached else 0.0)
 
-    def end_step_async(self, step_id: int):
-        return self.coordinator.end_step.remote(step_id, True, None, self.credential)
+    def end_step_async(self, step_id: int, done: int | None = None):
+        return self.coordinator.end_step.remote(step_id, True, None, self.credential, done)
 
-    def flush(self) -> None:
-        """Read the answer to a commit sent without waiting; replay or report a step that failed after all."""
+    def flush(self, end_run: bool = False, continuing: dict | None = None) -> None:
+        """Read the answers to commits sent without waiting; replay or report a step that failed after all.
+        A decode run ends here (``end_run``) unless a step ``continuing`` it is about to begin."""
+        with self._run_lock:
+            run = self.run
+            if run is not None and (end_run or continuing is not None) and not (
+                    continuing is not None and run.continues(continuing)):
+                self.end_run()
+            elif run is not None and run.commits:
+                commits, run.commits = run.commits, []
+                call(commits, self.config.rpc_timeout_s, "end_step")
         pending, self.pending = self.pending, None
         if pending is None:
             return
         from cpattn.step import finish_deferred_commit
 
         finish_deferred_commit(self, pending)
+
+    # Decode runs (cluster/client_run.py) -----------------------------------------------------------
+    def end_run(self) -> None:
+        """Leave the decode run: its commits read, its shards told END, the steps not run given back."""
+        with self._run_lock:
+            run, self.run = self.run, None
+            if run is None:
+                return
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            if self.plane is not None and not self.plane_broken:
+                step_id = run.first_step_id + run.index
+                self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
+            report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
+            if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
+                self.rejoin()
+
+    def end_idle_run(self, idle_s: float) -> None:
+        """The RunReaper's call: end a run no step used for ``idle_s`` (the caller's next step waits meanwhile)."""
+        with self._guard:
+            run = self.run
+            if run is None or self.open_step is not None or not run.idle_for(idle_s):
+                return
+            self.open_step = _REAPING
+        try:
+            self.end_run()
+        finally:
+            with self._guard:
+                self.open_step = None
+                self._reaped.notify_all()
+
+    def commit_async(self, step_id: int, request: dict, replay, timings: dict) -> None:
+        """A step's commit, sent without waiting; a run's steps before its last only advance its lengths."""
+        run = self.run
+        index = run.position(step_id) if run is not None else None
+        if index is not None and index + 1 < run.num_steps:
+            run.commits.append(self.end_step_async(run.first_step_id, index + 1))
+            run.step_ended()
+            return
+        if index is not None:
+            self.run = None   # its last step: the commit ends it (and reads the shards' reports)
+            step_id, done = run.first_step_id, run.num_steps
+        else:
+            done = None
+        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done))
+
+    def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False) -> dict:
+        """end_step for one step, of a run or not. ``shards_waiting``: every layer was attended, so a run's
+        remote shards wait for its next run header: told END first."""
+        with self._run_lock:
+            run = self.run
+            index = run.position(step_id) if run is not None else None
+            if index is None:
+                return self.end_step(step_id, commit, why)
+            if commit and index + 1 < run.num_steps:
+                run.step_ended()
+                return self.end_step(run.first_step_id, True, why, index + 1)   # the run goes on
+            self.run = None
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            done = index + 1 if commit else index
+            if (shards_waiting and index + 1 < run.num_steps and self.plane is not None
+                    and not self.plane_broken):
+                self.plane.send_run_header(CMD_END, index + 1, step_id + 1, run.num_tokens, self.device)
+            return self.end_step(run.first_step_id, commit, why, done)
 
     # Data plane ----------------------------------------------------------------------------------
     def join(self) -> None:
@@ -265,6 +349,7 @@ class Gateway:
     def claim(self, step) -> None:
         """One open step per client, atomically: a second thread or a nested step is rejected."""
         with self._guard:
+            self._reaped.wait_for(lambda: self.open_step is not _REAPING, self.config.rpc_timeout_s)
             self.check_no_open_step()
             self.open_step = step
 
@@ -306,17 +391,40 @@ class Gateway:
                             "collective was aborted)")
 
     def begin(self, request: dict[str, int]) -> dict | None:
-        """Plan a step; None when the service moved to a new epoch (rejoin, then begin again)."""
+        """Plan a step (or take the next step of this client's decode run); None when the service moved to a
+        new epoch (rejoin, then begin again)."""
         cfg = self.config
+        with self._run_lock:
+            run = self.run
+            if run is not None and run.continues(request):
+                step = run.next_step()
+                if self.plane is not None:
+                    self.plane.send_run_header(CMD_NEXT, run.index - 1, step["step_id"], run.num_tokens, self.device)
+                return self._open(dict(step, num_tokens=run.num_tokens, seq_ids=list(request), plan_s=0.0,
+                                       query_lens=list(request.values())))
+            self.end_run()
         if self.plane_broken:
             self.rejoin()
         held = self.pages.held(list(request), sorted(self.local)) if self.local else None
-        info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held,
+        ahead = cfg.decode_run_steps if cfg.async_commit and not cfg.detached else 1
+        info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held, ahead,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if "rejoin" in info:
             return None
-        for r, p in info["local_plans"].items():   # block tables came as deltas (cluster/page_delta.py)
-            p.metadata.block_table_tensor = self.pages.apply(r, info["seq_ids"], info["local_pages"][r])
+        for r in info["local_plans"]:   # block tables came as deltas (cluster/page_delta.py), one for a whole run
+            table = self.pages.apply(r, info["seq_ids"], info["local_pages"][r])
+            for step in (info, *info["later"]):
+                step["local_plans"][r].metadata.block_table_tensor = table
+        if info["later"]:
+            self.run = DecodeRun(dict(request), [info, *info["later"]], info["num_tokens"], index=1)
+            if self._reaper is None:
+                self._reaper = RunReaper(self.end_idle_run, min(RUN_IDLE_S, cfg.collective_timeout_s / 4))
+                self._reaper.start()
+        return self._open(info)
+
+    def _open(self, info: dict) -> dict:
+        """The step's wire: its local shards planned (graph buffers refilled), remote rows on this device."""
+        cfg = self.config
         local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info["local_plans"].items()}
         remote_rows = {r: (None if rows is None else rows.to(self.device))
                        for r, rows in info["remote_rows"].items()}
@@ -384,10 +492,12 @@ class Gateway:
     def close(self) -> None:
         """End this client (its sequences stay); the service keeps running."""
         try:
-            self.flush()
+            self.flush(end_run=True)
         except CpattnError as exc:
             logger.warning("closing client %s: %s", self.client_id, exc)
         self.lease.stop()
+        if self._reaper is not None:
+            self._reaper.stop()
         self.leave()
         try:   # waited for, so what the client held is settled when close() returns
             call(self.coordinator.unregister_client.remote(self.credential), self.config.rpc_timeout_s,

@@ -35,6 +35,23 @@ class OpenStep:
     refs: list = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     plan_s: float = 0.0
+    later_growths: list[Growth] = field(default_factory=list)
+    """A decode run (cluster/decode_run.py): the pages of its steps after the first, one Growth each."""
+    done: int = 0
+    """A decode run: how many of its steps the client committed so far (each adds one token per sequence)."""
+
+    @property
+    def num_substeps(self) -> int:
+        """1 for a step; a decode run's number of planned steps (step ids step_id .. step_id + n - 1)."""
+        return 1 + len(self.later_growths)
+
+    def lengths_after(self, kept: int) -> list[int]:
+        """The sequences' lengths once ``kept`` of its steps committed (a run's step adds one token to each)."""
+        return [n - (self.num_substeps - kept) for n in self.new_lengths]
+
+    def growths_from(self, kept: int) -> list[Growth]:
+        """The page growths of the steps not kept, last first (the order they are undone in)."""
+        return list(reversed([self.growth, *self.later_growths][kept:]))
 
 
 class OpenSteps:
@@ -92,6 +109,10 @@ class OpenSteps:
                 "open steps first (a client holds one at a time), retry later, or raise max_open_steps",
                 needed=held + 1, free=0)
 
+    def free_threads(self) -> int:
+        """Shard threads no open (or draining) step holds."""
+        return self.max_open_steps - len(self.steps) - len(self.draining)
+
     def new_id(self) -> tuple[int, bool]:
         """A fresh step id, and whether the journal must now reserve the next ``STEP_ID_RESERVE``."""
         step_id = self.next_step
@@ -104,9 +125,8 @@ class OpenSteps:
     def close(self, step: OpenStep, committed: bool, drain: bool = False) -> None:
         """The step is over; with ``drain`` its shard calls may still hold threads until they return."""
         self.steps.pop(step.step_id, None)
-        if committed:
-            self.num_committed += 1
-        else:
+        self.num_committed += step.done   # a run's steps the client committed (a plain step: 1 or 0)
+        if not committed:
             self.num_rolled_back += 1
         if drain and step.refs:
             self.draining.append(list(step.refs))

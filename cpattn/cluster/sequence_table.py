@@ -202,6 +202,16 @@ class SequenceTable:
                 committed.append(seq)
         self.persist(committed)
 
+    def advance(self, seq_ids: list[str], new_lengths: list[int], step_id: int) -> None:
+        """A decode run's step committed: lengths advance, the sequences stay in the run; journalled."""
+        advanced = []
+        for seq_id, new_len in zip(seq_ids, new_lengths):
+            seq = self.sequences.get(seq_id)
+            if seq is not None and new_len > seq.length:
+                seq.length, seq.last_step = new_len, step_id
+                advanced.append(seq)
+        self.persist(advanced)
+
     def undo(self, growth: Growth, seq_ids: list[str], step_id: int | None = None) -> None:
         """A step that will not commit: its pages return; clients holding them get whole rows again."""
         for seq_id in seq_ids:

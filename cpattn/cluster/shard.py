@@ -19,7 +19,8 @@ from cpattn.attention import get_attn_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, connect_group, partial_tag
+from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, connect_group,
+                                       partial_tag)
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.netbind import bind_address
@@ -382,25 +383,51 @@ class ShardWorker:
         if plane is not None:
             plane.close()
 
-    def run_step(self, group_name: str, plan: ShardStepPlan) -> dict:
-        """Serve every layer of one step from the group; returns timings (seconds) and how it ended."""
+    def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None) -> dict:
+        """Serve every layer of one step from the group; returns timings (seconds) and how it ended.
+
+        ``later``: the next steps of a decode run (cluster/decode_run.py), each served after the client's run
+        header says NEXT (planned before that header arrives, so its first layer starts at once); END stops.
+        """
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
-        if not self._fence.admits(plan.incarnation):   # not fenced by a restarted coordinator
-            return self._refuse_fenced(plane, plan)
-        t0 = time.perf_counter()
+        later = list(later or [])
+        if self._secret is not None and not all(authority.matches_secret(getattr(p, "auth", None), self._secret)
+                                                for p in later):
+            raise authority.refuse(f"shard {self.bundle_index}", "run_step", "a run's plans come from its coordinator")
         if group_name not in self._graphs:
             self._graphs[group_name] = self.runner.new_graphs()
-        planned = self.runner.plan(plan, self._graphs[group_name])
-        timings = {"plan_s": time.perf_counter() - t0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0}
-        try:
-            return self._serve_layers(plane, planned, timings)
-        except RuntimeError as exc:
-            # The group broke (a peer died or timed out): report it as data, the coordinator decides.
-            return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            self._fence.leave()   # fencing: this thread writes no more
+        timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
+        for index, step_plan in enumerate([plan, *later]):
+            if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
+                return self._refuse_fenced(plane, step_plan, timings)
+            t0 = time.perf_counter()
+            planned = self.runner.plan(step_plan, self._graphs[group_name])
+            timings["plan_s"] += time.perf_counter() - t0
+            try:
+                if index and not self._next_in_run(plane, index, step_plan):
+                    return dict(timings, outcome="ended")
+                timings = self._serve_layers(plane, planned, timings)
+            except RuntimeError as exc:
+                # The group broke (a peer died or timed out): report it as data, the coordinator decides.
+                return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._fence.leave()   # fencing: this thread writes no more
+            if timings["outcome"] != "served":
+                return timings
+            timings["steps"] += 1
+        return timings
+
+    def _next_in_run(self, plane: DataPlane, index: int, plan: ShardStepPlan) -> bool:
+        """Wait for the run header before a run's step ``index``: True for NEXT, False for END."""
+        command, got_index, step_id, num_tokens = plane.recv_run_header(self.device)
+        if command == CMD_END:
+            return False
+        if command != CMD_NEXT or (got_index, step_id, num_tokens) != (index, plan.step_id, plan.num_tokens):
+            raise CpattnError(f"shard {self.bundle_index}: unexpected run header {(command, got_index, step_id, num_tokens)}"
+                              f" before step {plan.step_id} ({index} of its run, {plan.num_tokens} tokens)")
+        return True
 
     def _serve_layers_ahead(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
         """NCCL: every layer of the step enqueued at once, in order 0..L-1, without waiting for its message.
