@@ -140,7 +140,7 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
     for group in ([cases] if one_service else [[c] for c in cases]):
         layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb) for c in group)
         backends = {c.name: usable_backend(c.backend) for c in group}
-        blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2)) // gpus) // BLOCK + 2 * c.batch + 16
+        blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2 + 8)) // gpus) // BLOCK + 2 * c.batch + 16
                      for c in group)
         gpu = DEVICE == "cuda"
         cfg = cpattn.ServiceConfig(num_shards=gpus, num_layers=layers, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
@@ -188,12 +188,15 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             for s in seqs:
                 svc.free(s)
     gw = svc.gateway
-    wall = statistics.median(walls)
+    # The mean, not the median: a decode run's first step carries the plan of all its steps (decode_run_steps),
+    # and the mean charges it to every step as a decode loop pays it.
+    wall = statistics.fmean(walls)
     return {"case": case.name, "gpus": gpus, "batch": case.batch, "context": case.context, "new": case.new,
             "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
             "data_plane": gw.plane.backend if gw.plane else "none",
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
+            "step_ms_median": 1e3 * statistics.median(walls), "decode_run_steps": svc.config.decode_run_steps,
             "plan_ms_per_step": 1e3 * statistics.median(plans)}
 
 
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "
-          f"ms/layer = step wall time / layers (medians of {args.repeats})")
+          f"ms/layer = step wall time / layers (means of {args.repeats} steps)")
     print(HEADER)
     kernels = {c.name: (kernel_ms(c, usable_backend(c.backend), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
                         else float("nan")) for c in cases}
