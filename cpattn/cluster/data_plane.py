@@ -182,8 +182,10 @@ class DataPlane:
         """Rank 0: one broadcast carrying the header and the layer's packed q|k|v."""
         payload = packed_TXD.detach().contiguous().view(-1).view(torch.uint8)
         message = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=payload.device)
+        # non_blocking: a blocking host-to-device copy synchronises the stream, i.e. waits for the previous
+        # layer's partials every layer (measured: 0.86 ms per layer at 128K on 2 H200s).
         message[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([command, layer, step_id, packed_TXD.shape[0]], dtype=torch.int64))
+            torch.tensor([command, layer, step_id, packed_TXD.shape[0]], dtype=torch.int64), non_blocking=True)
         message[HEADER_BYTES:].copy_(payload)
         self.broadcast(message)
 
@@ -206,7 +208,8 @@ class DataPlane:
     def send_run_header(self, command: int, index: int, step_id: int, num_tokens: int,
                         device: torch.device) -> None:
         """Rank 0: NEXT before each step of a run after its first, END when the run stops early."""
-        self.broadcast(torch.tensor([command, index, step_id, num_tokens], dtype=torch.int64).to(device))
+        self.broadcast(torch.tensor([command, index, step_id, num_tokens], dtype=torch.int64).to(device,
+                                                                                                  non_blocking=True))
 
     def recv_run_header(self, device: torch.device) -> tuple[int, int, int, int]:
         """Other ranks: the run header (a host wait, once per step of a run)."""

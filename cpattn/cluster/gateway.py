@@ -181,8 +181,9 @@ class Gateway:
         A decode run ends here (``end_run``) unless a step ``continuing`` it is about to begin."""
         with self._run_lock:
             run = self.run
-            if run is not None and (end_run or continuing is not None) and not (
-                    continuing is not None and run.continues(continuing)):
+            if run is not None and continuing is not None and run.continues(continuing):
+                pass   # the run's commits are read when it ends (a read per step would be a round trip per step)
+            elif run is not None and (end_run or continuing is not None):
                 self.end_run()
             elif run is not None and run.commits:
                 commits, run.commits = run.commits, []
