@@ -107,11 +107,12 @@ class ServiceConfig(BaseModel):
     pays one Ray round trip per step. A shard lost between the last layer and the commit is then reported
     (kv_replicas=1) or replayed (kv_replicas=2) at that next call instead of at the end of the step. A detached
     service always commits before the step ends (its coordinator can restart in between)."""
-    decode_run_steps: int = Field(8, ge=1, le=64)
-    """Decode steps planned per coordinator round trip: a decode-only step (each sequence + 1 token) with
-    ``async_commit`` plans this many steps ahead, and the client runs them without asking the coordinator or
-    making a Ray call to any shard (cluster/decode_run.py); a step with other sequences or other token counts
-    ends the run early and gets back its unused pages. 1: plan every step (one Ray round trip per step)."""
+    decode_run_steps: int = Field(32, ge=1, le=64)
+    """Most decode steps planned per coordinator round trip: a decode-only step (each sequence + 1 token) with
+    ``async_commit`` plans a run of steps ahead (4, doubling after each run the client finishes, up to this),
+    and the client runs them without asking the coordinator or making a Ray call to any shard
+    (cluster/decode_run.py); a step with other sequences or other token counts ends the run early and gets
+    back its unused pages. 1: plan every step (one Ray round trip per step)."""
     pcp_enabled: bool = True
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)

@@ -158,11 +158,18 @@ def test_no_run_when_it_would_hold_the_last_shard_thread(start_service):
         second.close()
 
 
-def test_checked_steps_through_runs_with_interleave_1(start_service):
-    svc = start_service(num_shards=2, dcp_interleave=1, num_q_heads=4, num_kv_heads=1, decode_run_steps=3)
+def test_runs_double_while_finished_and_interleave_1(start_service):
+    svc = start_service(num_shards=2, dcp_interleave=1, num_q_heads=4, num_kv_heads=1, decode_run_steps=6)
     oracle = Oracle(svc.config, seed=21)
     seqs = [svc.add_sequence() for _ in range(3)]
     run_step(svc, oracle, {s: 2 + i for i, s in enumerate(seqs)})
-    for _ in range(7):
-        _, err = checked_step(svc, oracle, {s: 1 for s in seqs})
+    lengths = []
+    for _ in range(12):
+        checked_step(svc, oracle, {s: 1 for s in seqs})
+        lengths.append(svc.gateway.run.num_steps if svc.gateway.run else 0)
+    # 4 steps (the last one ends the run), then 6 (8 capped by decode_run_steps), then 6 again
+    assert lengths == [4, 4, 4, 0, 6, 6, 6, 6, 6, 0, 6, 6]
+    run_step(svc, oracle, {seqs[0]: 1})   # left early: the next run starts at 4 again
+    checked_step(svc, oracle, {s: 1 for s in seqs})
+    assert svc.gateway.run.num_steps == 4
     check_state(svc, oracle, seqs)

@@ -6,6 +6,7 @@ Every output is checked against the float64 oracle (float64 service, within 1e-1
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -193,14 +194,41 @@ def test_single_replica_unaffected_step_in_flight_is_reported_then_reruns_exactl
         if layer == 0:
             kill_shard(svc, 1)
 
-    with pytest.raises(CpattnError, match="rolled back") as info:
-        checked_step(svc, oracle, {b: 1}, after_layer=kill_after_first_layer, tol=TOL)
+    with pytest.raises(CpattnError, match="rolled back") as info:   # 2 tokens: a plain step (no decode run)
+        checked_step(svc, oracle, {b: 2}, after_layer=kill_after_first_layer, tol=TOL)
     assert not isinstance(info.value, ShardLostError)   # b lost nothing: rerun it
     wait_replaced(svc, replaced + 1)
     assert svc.sequence_length(b) == oracle.length(b)
     oracle_len = oracle.length(b)
     checked_step(svc, oracle, {b: 1}, tol=TOL)
     assert oracle.length(b) == oracle_len + 1
+    svc.free(b)
+
+
+def test_single_replica_shard_lost_inside_a_decode_run_loses_nothing_committed(single):
+    """A shard holding none of b's tokens dies inside b's decode run. Its steps need nothing from it, so they
+    may go on until the group or the run's commit meets the loss; then a typed "run it again" error, never a
+    wrong output, never ShardLostError, and the decode loop (running failed steps again) ends exact."""
+    svc = single
+    oracle = Oracle(svc.config, 34)
+    b = svc.add_sequence()
+    checked_step(svc, oracle, {b: 3}, tol=TOL)   # interleave 4: tokens 0-3 on shard 0, 4-7 on shard 1
+    replaced = svc.stats()["shards_replaced"]
+    checked_step(svc, oracle, {b: 1}, tol=TOL)
+    checked_step(svc, oracle, {b: 1}, tol=TOL)
+    assert svc.gateway.run is not None and svc.gateway.run.index == 2
+    kill_shard(svc, 2)   # none of b's 5 tokens
+    wait_replaced(svc, replaced + 1)
+    steps, failures = 0, 0
+    while steps < 6:
+        try:
+            checked_step(svc, oracle, {b: 1}, tol=TOL)   # checks each output; commits the oracle only if it held
+            steps += 1
+        except CpattnError as exc:
+            assert not isinstance(exc, ShardLostError) and re.search("rolled back|run (the step|it) again", str(exc))
+            failures += 1
+            assert failures <= 3, exc
+    assert svc.sequence_length(b) == oracle.length(b) == 5 + steps
     svc.free(b)
 
 

@@ -17,6 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+FIRST_RUN_STEPS = 4
+"""A decode loop's first run; each run it finishes doubles the next (up to decode_run_steps), each run it
+leaves early (the batch changed) starts over here: long runs amortise the plan, short ones waste few plans."""
+
 RUN_IDLE_S = 1.0
 """A run whose client started no step for this long ends (at most a quarter of collective_timeout_s)."""
 

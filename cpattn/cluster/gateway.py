@@ -28,7 +28,7 @@ import torch
 
 from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
-from cpattn.cluster.client_run import RUN_IDLE_S, DecodeRun, RunReaper
+from cpattn.cluster.client_run import FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, RunReaper
 from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, WireError, create_group,
                                        partial_tag)
 from cpattn.cluster.decode_graphs import DecodeGraphs
@@ -130,6 +130,7 @@ class Gateway:
         self.shards: list = []
         self.pending: PendingCommit | None = None
         self.run: DecodeRun | None = None
+        self.run_length = FIRST_RUN_STEPS   # steps the next decode run asks for (client_run.FIRST_RUN_STEPS)
         self._run_lock = threading.RLock()
         self._reaper: RunReaper | None = None
         self.open_step = None
@@ -202,6 +203,7 @@ class Gateway:
             run, self.run = self.run, None
             if run is None:
                 return
+            self.run_length = FIRST_RUN_STEPS
             call(run.commits, self.config.rpc_timeout_s, "end_step")
             if self.plane is not None and not self.plane_broken:
                 step_id = run.first_step_id + run.index
@@ -209,6 +211,21 @@ class Gateway:
             report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
             if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
                 self.rejoin()
+
+    def _announce(self, run: DecodeRun, step_id: int) -> bool:
+        """Tell the run's remote shards its next step follows. A group that broke since (a shard died) ends the
+        run as failed: the coordinator's answer is raised (nothing of this step happened: run it again) unless
+        it recovered every sequence, then False (begin afresh, after a rejoin)."""
+        if self.plane is None:
+            return True
+        try:
+            self.plane.send_run_header(CMD_NEXT, run.index - 1, step_id, run.num_tokens, self.device)
+            return True
+        except RuntimeError as exc:   # gloo: the peer is gone
+            self.plane_broken, self.run, self.run_length = True, None, FIRST_RUN_STEPS
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            self.end_step(run.first_step_id, False, f"data plane: {type(exc).__name__}: {exc}", run.index - 1)
+            return False
 
     def end_idle_run(self, idle_s: float) -> None:
         """The RunReaper's call: end a run no step used for ``idle_s`` (the caller's next step waits meanwhile)."""
@@ -234,6 +251,7 @@ class Gateway:
             return
         if index is not None:
             self.run = None   # its last step: the commit ends it (and reads the shards' reports)
+            self.run_length = 2 * run.num_steps
             step_id, done = run.first_step_id, run.num_steps
         else:
             done = None
@@ -251,6 +269,7 @@ class Gateway:
                 run.step_ended()
                 return self.end_step(run.first_step_id, True, why, index + 1)   # the run goes on
             self.run = None
+            self.run_length = 2 * run.num_steps if commit else FIRST_RUN_STEPS
             call(run.commits, self.config.rpc_timeout_s, "end_step")
             done = index + 1 if commit else index
             if (shards_waiting and index + 1 < run.num_steps and self.plane is not None
@@ -399,15 +418,14 @@ class Gateway:
             run = self.run
             if run is not None and run.continues(request):
                 step = run.next_step()
-                if self.plane is not None:
-                    self.plane.send_run_header(CMD_NEXT, run.index - 1, step["step_id"], run.num_tokens, self.device)
-                return self._open(dict(step, num_tokens=run.num_tokens, seq_ids=list(request), plan_s=0.0,
-                                       query_lens=list(request.values())))
+                if self._announce(run, step["step_id"]):
+                    return self._open(dict(step, num_tokens=run.num_tokens, seq_ids=list(request), plan_s=0.0,
+                                           query_lens=list(request.values())))
             self.end_run()
         if self.plane_broken:
             self.rejoin()
         held = self.pages.held(list(request), sorted(self.local)) if self.local else None
-        ahead = cfg.decode_run_steps if cfg.async_commit and not cfg.detached else 1
+        ahead = min(cfg.decode_run_steps, self.run_length) if cfg.async_commit and not cfg.detached else 1
         info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held, ahead,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if "rejoin" in info:
