@@ -17,6 +17,7 @@ case "$part" in
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
              tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;
   dataplane) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_data_plane_gpu.py \
+               tests/gpu/test_client_graphs_gpu.py \
                -k "not FLASHINFER" "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
   *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|flashinfer} [pytest args]" >&2; exit 1 ;;

@@ -28,6 +28,7 @@ import torch
 
 from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
+from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.client_run import FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, RunReaper
 from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, WireError, create_group,
                                        partial_tag)
@@ -62,6 +63,8 @@ class StepWire:
     inf when they held one; read once, at the end of the step (a read per layer would stall the GPU)."""
     broken: list[torch.Tensor] = field(default_factory=list)
     """Per received partial: a 0-dim bool, True if it did not arrive whole (read once, at the end)."""
+    graphs: ClientLayerGraphs | None = None
+    """Set when every layer of this step replays the client's captured graph (cluster.client_graphs)."""
 
     def saw_nonfinite(self) -> bool:
         return self.norms is not None and not bool(torch.isfinite(self.norms).all())
@@ -126,6 +129,7 @@ class Gateway:
         self.local: dict[int, ShardLayerRunner] = {}
         self.local_graphs: dict[int, DecodeGraphs | None] = {}
         self.pages = PageCache()   # pages of this client's sequences on its in-process shards
+        self.client_graphs: ClientLayerGraphs | None = None
         self.remote: list[int] = []
         self.shards: list = []
         self.pending: PendingCommit | None = None
@@ -333,6 +337,7 @@ class Gateway:
             call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
             self._store = store   # the store must outlive the group
             self.plane = DataPlane(group, 0, world, backend)
+        self.client_graphs = ClientLayerGraphs(self) if ClientLayerGraphs.supported(self) else None
         logger.info("cpattn client %s: %d local shard(s) on %s, %d over %s", self.client_id, len(self.local),
                     self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
 
@@ -359,6 +364,7 @@ class Gateway:
             except Exception:
                 pass
         self.local, self.local_graphs = {}, {}   # drops the IPC mappings (and graphs reading them)
+        self.client_graphs = None
 
     def rejoin(self) -> None:
         """After a shard was replaced or a collective failed: drop the group and the mappings, join again."""
@@ -406,7 +412,7 @@ class Gateway:
                     raise WireError(f"step {wire.step_id}: the data plane did not finish within collective_timeout_s="
                                     f"{self.config.collective_timeout_s}s (a shard died or hung)")
                 time.sleep(0)
-        if wire.broken and bool(torch.stack(wire.broken).any()):
+        if wire.broken and bool(torch.stack([b.any() for b in wire.broken]).any()):
             raise WireError(f"step {wire.step_id}: a shard's partial did not arrive whole (the shard died or its "
                             "collective was aborted)")
 
@@ -450,7 +456,11 @@ class Gateway:
         norms = None
         if self.device.type == "cuda" and cfg.nan_policy == "reject":
             norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
-        info["wire"] = StepWire(info["step_id"], info["num_tokens"], local, remote_rows, norms)
+        wire = StepWire(info["step_id"], info["num_tokens"], local, remote_rows, norms)
+        if self.client_graphs is not None and self.client_graphs.prepare(wire):
+            wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
+            wire.norms = None if norms is None else self.client_graphs.norms
+        info["wire"] = wire
         return info
 
     def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
@@ -459,6 +469,8 @@ class Gateway:
         ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks)."""
         cfg = self.config
         q, k, v = (x.to(self.device, non_blocking=True) for x in (q_TQD, k_TKD, v_TKD))
+        if wire.graphs is not None and command == CMD_ATTEND and sinks_Q is None:
+            return wire.graphs.run(layer, q, k, v)
         if self.plane is not None or wire.norms is not None:
             packed = torch.cat([q, k, v], dim=1)
             if wire.norms is not None and command == CMD_ATTEND:

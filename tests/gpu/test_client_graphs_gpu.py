@@ -1,0 +1,47 @@
+"""The client's graphed decode layer (cluster.client_graphs) over NCCL on two GPUs: every output vs the float64
+oracle, through decode runs, batch changes (a new bucket), a step left mid-way, and NaN input rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_data_plane_gpu import _checked_step, _config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+def test_graphed_client_layers_match_float64(ray_session):
+    import cpattn
+    from cpattn.errors import InvalidRequestError
+    from service_oracle import Oracle
+
+    cfg = _config(num_shards=2, num_gpus_per_shard=1, backend="TRITON", num_layers=4)
+    svc = cpattn.start(cfg)
+    try:
+        gw = svc.gateway
+        assert gw.client_graphs is not None and gw.plane.backend == "nccl"
+        oracle = Oracle(cfg, seed=17)
+        a, b = svc.add_sequence(), svc.add_sequence()
+        _checked_step(svc, cfg, oracle, {a: 300, b: 40})
+        for _ in range(5):   # the first decode step of the bucket is eager; the next ones replay
+            _checked_step(svc, cfg, oracle, {a: 1, b: 1})
+        assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == 2, gw.client_graphs.key
+        for _ in range(4):   # another batch size: another bucket
+            _checked_step(svc, cfg, oracle, {a: 1})
+        assert gw.client_graphs.key[0] == 1
+        q, k, v = (x.cuda() for x in oracle.random_qkv(1))
+        with pytest.raises(RuntimeError, match="caller stopped"):
+            with svc.step({a: 1}) as step:
+                step.attend(0, q, k, v)
+                raise RuntimeError("caller stopped")
+        with pytest.raises(InvalidRequestError, match="NaN or inf"):
+            with svc.step({a: 1}) as step:
+                for layer in range(cfg.num_layers):
+                    step.attend(layer, q * float("nan") if layer == 2 else q, k, v)
+        for _ in range(3):
+            _checked_step(svc, cfg, oracle, {a: 1})
+        assert svc.sequences() == {a: oracle.length(a), b: oracle.length(b)}
+    finally:
+        svc.shutdown()
