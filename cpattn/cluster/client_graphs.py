@@ -78,6 +78,12 @@ class ClientLayerGraphs:
         self.graphs[layer].replay()
         return self.outputs[layer].clone()
 
+    def release(self) -> None:
+        """Drop the graphs (and the NCCL work captured in them) and wait until none is running."""
+        self.graphs, self.outputs, self.key = [], [], None
+        gc.collect()
+        torch.cuda.synchronize(self.gw.device)
+
     # Capture --------------------------------------------------------------------------------------
     def _layer(self, layer: int, wire) -> torch.Tensor:
         gw, cfg = self.gw, self.gw.config

@@ -289,11 +289,12 @@ class Coordinator:
                 raise
             later_growths = decode_run.grow_run(self.table, client_id, seqs, num_steps)
             step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
+            tables: dict = {}   # every page of the run is allocated: one gather serves all its steps
             try:
                 runs = [plan_step(self.table.allocator, [StepRequest(s.rows, n + j, t) for s, n, t in
                                                          zip(seqs, lengths, request.values())],
                                   step_id, self.config.pcp_enabled, self.config.pcp_min_tokens, self.incarnation,
-                                  self._shard_secret) for j, step_id in enumerate(step_ids)]
+                                  self._shard_secret, tables) for j, step_id in enumerate(step_ids)]
             except BaseException:
                 for g in reversed([growth, *later_growths]):
                     self.table.undo(g, [s.seq_id for s in seqs], step_ids[0])

@@ -355,6 +355,9 @@ class Gateway:
 
     def leave(self) -> None:
         old, ticket = self.group_name, self._ticket
+        if self.client_graphs is not None:   # graphs holding NCCL work go before their communicator (else abort hangs)
+            self.client_graphs.release()
+            self.client_graphs = None
         if self.plane is not None:
             self.plane.close()
             self.plane = None

@@ -48,9 +48,18 @@ class StepRequest:
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
-              auth: str | None = None) -> list[ShardStepPlan]:
+              auth: str | None = None, tables: dict | None = None) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
-    secret the plans carry (a shard runs only plans of its coordinator)."""
+    secret the plans carry (a shard runs only plans of its coordinator). ``tables``: block tables gathered by
+    an earlier plan of the same sequences and pages (a decode run's steps), reused instead of gathered again."""
+    tables = {} if tables is None else tables
+
+    def gather(rank: int, replica: bool) -> torch.Tensor:
+        if (rank, replica) not in tables:
+            tables[rank, replica] = allocator.tables[rank].gather(
+                [(r.rows.replica if replica else r.rows.primary)[rank] for r in requests])
+        return tables[rank, replica]
+
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]
@@ -58,14 +67,14 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
     pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled, skip_decodes=True)
     plans = []
     for rank in range(n):
-        table = allocator.tables[rank].gather([r.rows.primary[rank] for r in requests])
+        table = gather(rank, False)
         md = make_dcp_context_metadata(query_lens, context_lens, table, allocator.block_size, n, rank,
                                        allocator.interleave, fold_decodes=True)
         replica_slots = None
         if allocator.replicas == 2:
             # The replica rows mirror the owner's layout, so the owner's slot rule applies to them.
             owner = allocator.primary_of(rank)
-            replica_table = allocator.tables[rank].gather([r.rows.replica[rank] for r in requests])
+            replica_table = gather(rank, True)
             replica_slots = make_dcp_context_metadata(query_lens, context_lens, replica_table, allocator.block_size,
                                                       n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,

@@ -3,10 +3,15 @@ oracle, through decode runs, batch changes (a new bucket), a step left mid-way, 
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+
 import pytest
 import torch
 
-from test_data_plane_gpu import _checked_step, _config
+sys.path.insert(0, os.path.dirname(__file__))
+from test_data_plane_gpu import _checked_step, _config  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -43,5 +48,9 @@ def test_graphed_client_layers_match_float64(ray_session):
         for _ in range(3):
             _checked_step(svc, cfg, oracle, {a: 1})
         assert svc.sequences() == {a: oracle.length(a), b: oracle.length(b)}
+    except BaseException:
+        traceback.print_exc()   # now: a shutdown that hangs on a broken NCCL group would hide it
+        sys.stderr.flush()
+        raise
     finally:
         svc.shutdown()
