@@ -86,7 +86,7 @@ class ClientLayerGraphs:
 
     # Capture --------------------------------------------------------------------------------------
     def _layer(self, layer: int, wire) -> torch.Tensor:
-        gw, cfg = self.gw, self.gw.config
+        gw = self.gw
         self.message[:HEADER_BYTES].view(torch.int64).copy_(self.headers[layer])
         torch.linalg.vector_norm(self.qkv, float("inf"), dtype=torch.float32, out=self.norms[layer])
         gw.plane.broadcast(self.message)

@@ -15,7 +15,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
+from cpattn.cluster.rpc import call
+
+if TYPE_CHECKING:
+    import torch
 
 FIRST_RUN_STEPS = 4
 """A decode loop's first run; each run it finishes doubles the next (up to decode_run_steps), each run it
@@ -23,6 +29,21 @@ leaves early (the batch changed) starts over here: long runs amortise the plan, 
 
 RUN_IDLE_S = 1.0
 """A run whose client started no step for this long ends (at most a quarter of collective_timeout_s)."""
+
+_REAPING = object()   # the Gateway's open_step while the RunReaper ends an idle run
+
+
+@dataclass
+class PendingCommit:
+    """A committed step whose coordinator answer has not been read yet."""
+
+    step_id: int
+    request: dict[str, int]
+    replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None
+    """(layer, q|k|v, sinks) of every attended layer (kv_replicas=2)."""
+    timings: dict[str, float]
+    """The Step's own timings dict: completed in place when the answer is read."""
+    ref: Any
 
 
 @dataclass
@@ -86,3 +107,87 @@ class RunReaper(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+class RunControl:
+    """The Gateway's decode-run methods (a mixin: they use its run, lock, plane, device and coordinator calls)."""
+
+    def end_run(self) -> None:
+        """Leave the decode run: its commits read, its shards told END, the steps not run given back."""
+        with self._run_lock:
+            run, self.run = self.run, None
+            if run is None:
+                return
+            self.run_length = FIRST_RUN_STEPS
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            if self.plane is not None and not self.plane_broken:
+                step_id = run.first_step_id + run.index
+                self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
+            report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
+            if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
+                self.rejoin()
+
+    def _announce(self, run: DecodeRun, step_id: int) -> bool:
+        """Tell the run's remote shards its next step follows. A group that broke since (a shard died) ends the
+        run as failed: the coordinator's answer is raised (nothing of this step happened: run it again) unless
+        it recovered every sequence, then False (begin afresh, after a rejoin)."""
+        if self.plane is None:
+            return True
+        try:
+            self.plane.send_run_header(CMD_NEXT, run.index - 1, step_id, run.num_tokens, self.device)
+            return True
+        except RuntimeError as exc:   # gloo: the peer is gone
+            self.plane_broken, self.run, self.run_length = True, None, FIRST_RUN_STEPS
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            self.end_step(run.first_step_id, False, f"data plane: {type(exc).__name__}: {exc}", run.index - 1)
+            return False
+
+    def end_idle_run(self, idle_s: float) -> None:
+        """The RunReaper's call: end a run no step used for ``idle_s`` (the caller's next step waits meanwhile)."""
+        with self._guard:
+            run = self.run
+            if run is None or self.open_step is not None or not run.idle_for(idle_s):
+                return
+            self.open_step = _REAPING
+        try:
+            self.end_run()
+        finally:
+            with self._guard:
+                self.open_step = None
+                self._reaped.notify_all()
+
+    def commit_async(self, step_id: int, request: dict, replay, timings: dict) -> None:
+        """A step's commit, sent without waiting; a run's steps before its last only advance its lengths."""
+        run = self.run
+        index = run.position(step_id) if run is not None else None
+        if index is not None and index + 1 < run.num_steps:
+            run.commits.append(self.end_step_async(run.first_step_id, index + 1))
+            run.step_ended()
+            return
+        if index is not None:
+            self.run = None   # its last step: the commit ends it (and reads the shards' reports)
+            self.run_length = 2 * run.num_steps
+            step_id, done = run.first_step_id, run.num_steps
+        else:
+            done = None
+        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done))
+
+    def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False) -> dict:
+        """end_step for one step, of a run or not. ``shards_waiting``: every layer was attended, so a run's
+        remote shards wait for its next run header: told END first."""
+        with self._run_lock:
+            run = self.run
+            index = run.position(step_id) if run is not None else None
+            if index is None:
+                return self.end_step(step_id, commit, why)
+            if commit and index + 1 < run.num_steps:
+                run.step_ended()
+                return self.end_step(run.first_step_id, True, why, index + 1)   # the run goes on
+            self.run = None
+            self.run_length = 2 * run.num_steps if commit else FIRST_RUN_STEPS
+            call(run.commits, self.config.rpc_timeout_s, "end_step")
+            done = index + 1 if commit else index
+            if (shards_waiting and index + 1 < run.num_steps and self.plane is not None
+                    and not self.plane_broken):
+                self.plane.send_run_header(CMD_END, index + 1, step_id + 1, run.num_tokens, self.device)
+            return self.end_step(run.first_step_id, commit, why, done)

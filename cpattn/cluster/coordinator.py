@@ -289,12 +289,9 @@ class Coordinator:
                 raise
             later_growths = decode_run.grow_run(self.table, client_id, seqs, num_steps)
             step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
-            tables: dict = {}   # every page of the run is allocated: one gather serves all its steps
             try:
-                runs = [plan_step(self.table.allocator, [StepRequest(s.rows, n + j, t) for s, n, t in
-                                                         zip(seqs, lengths, request.values())],
-                                  step_id, self.config.pcp_enabled, self.config.pcp_min_tokens, self.incarnation,
-                                  self._shard_secret, tables) for j, step_id in enumerate(step_ids)]
+                runs = decode_run.plan_steps(self.table.allocator, seqs, lengths, list(request.values()), step_ids,
+                                             self.config, self.incarnation, self._shard_secret)
             except BaseException:
                 for g in reversed([growth, *later_growths]):
                     self.table.undo(g, [s.seq_id for s in seqs], step_ids[0])
@@ -413,12 +410,9 @@ class Coordinator:
             raise authority.refuse(f"coordinator {self.config.name!r}", "stats(admin=True)",
                                    "it needs the operator credential (`cpattn status` finds it; see README Security)")
         with self._lock:
-            me = self.clients.client_of(credential)
-            others = len([c for c in self.clients.ids() if c != me])
-            return {**usage_report(self.config, self.table, self.shard_set, me, admin, others),
-                    "steps_committed": self.steps.num_committed, "steps_rolled_back": self.steps.num_rolled_back,
-                    "shards_replaced": self.num_shards_replaced, "epoch": self.epoch,
-                    "open_steps": len(self.steps), "num_clients": len(self.clients)}
+            return usage_report(self.config, self.table, self.shard_set, self.clients.client_of(credential), admin,
+                                self.clients, self.steps, {"shards_replaced": self.num_shards_replaced,
+                                                           "epoch": self.epoch})
 
 
 RemoteCoordinator = authority.remote_surface(Coordinator, authority.COORDINATOR_METHODS, "RemoteCoordinator", __name__)

@@ -15,8 +15,10 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 from __future__ import annotations
 
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
+from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step
+from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, InvalidRequestError
-from cpattn.kvstore.sharded_allocator import Growth
+from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
 
 MAX_RUN_STEPS = 64
 """A run longer than this saves nothing more (its plan is already < 1/64 of the steps' time) and holds pages
@@ -49,6 +51,16 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
         except (CapacityError, InvalidRequestError):
             break
     return growths
+
+
+def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
+               step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str) -> list[list[ShardStepPlan]]:
+    """Every rank's plan of each step (a plain step: one); every page is allocated, so the block tables
+    gathered for the first step serve all (gathering them again was 60% of a run's plan)."""
+    tables: dict = {}
+    return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
+                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, tables)
+            for j, step_id in enumerate(step_ids)]
 
 
 def check_done(done, num_substeps: int) -> int:

@@ -21,7 +21,6 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 import torch
@@ -29,9 +28,10 @@ import torch
 from cpattn.attention import apply_sinks, get_attn_backend
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.client_graphs import ClientLayerGraphs
-from cpattn.cluster.client_run import FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, RunReaper
-from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, WireError, create_group,
-                                       partial_tag)
+from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, client_device, open_shared_cache
+from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, PendingCommit, RunControl,
+                                       RunReaper)
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.netbind import bind_address
@@ -40,13 +40,12 @@ from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
-from cpattn.errors import ConfigError, CpattnError, InvalidRequestError, ServiceError
+from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
 RUN_KEEPING_CALLS = ("sequence_length", "list_sequences", "add_sequence", "describe")
 """Coordinator calls that only read (or add a sequence): a decode run goes on across them."""
-_REAPING = object()   # open_step while the RunReaper ends an idle run
 
 
 @dataclass
@@ -70,52 +69,7 @@ class StepWire:
         return self.norms is not None and not bool(torch.isfinite(self.norms).all())
 
 
-@dataclass
-class PendingCommit:
-    """A committed step whose coordinator answer has not been read yet."""
-
-    step_id: int
-    request: dict[str, int]
-    replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None
-    """(layer, q|k|v, sinks) of every attended layer (kv_replicas=2)."""
-    timings: dict[str, float]
-    """The Step's own timings dict: completed in place when the answer is read."""
-    ref: Any
-
-
-def client_device(config: ServiceConfig) -> torch.device:
-    """The GPU this process computes on (its current device) when the shards are on CUDA, else the CPU."""
-    if config.resolved_device() == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[dict]) -> str:
-    """nccl when the gateway and every remote shard each have a GPU of their own; gloo otherwise."""
-    gpus = [_gpu_uuid(device)] + [i.get("gpu_uuid") for i in remote_infos]
-    nccl_ok = device.type == "cuda" and None not in gpus and len(set(gpus)) == len(gpus)
-    if config.data_plane == "nccl" and not nccl_ok:
-        raise ConfigError("data_plane 'nccl' needs the client and every shard it reaches over the wire on a GPU "
-                          "of its own (NCCL cannot have two ranks on one GPU): use data_plane 'auto'")
-    if config.data_plane == "gloo":
-        return "gloo"
-    return "nccl" if nccl_ok else "gloo"
-
-
-def _gpu_uuid(device: torch.device) -> str | None:
-    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-
-
-def open_shared_cache(handle_args: tuple, device: torch.device) -> torch.Tensor:
-    """A shard's exported KV cache, opened on this process's index of the same physical GPU."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    args = list(handle_args)
-    args[6] = device.index   # the shard numbered its GPU 0 (Ray narrows its visible devices)
-    return rebuild_cuda_tensor(*args)
-
-
-class Gateway:
+class Gateway(RunControl):
     """One client's side of the service. Its ``client_id`` is public (group names, stats); its ``credential``
     is the secret every coordinator call proves; a LeaseKeeper thread keeps the client alive between calls."""
 
@@ -199,87 +153,6 @@ class Gateway:
         from cpattn.step import finish_deferred_commit
 
         finish_deferred_commit(self, pending)
-
-    # Decode runs (cluster/client_run.py) -----------------------------------------------------------
-    def end_run(self) -> None:
-        """Leave the decode run: its commits read, its shards told END, the steps not run given back."""
-        with self._run_lock:
-            run, self.run = self.run, None
-            if run is None:
-                return
-            self.run_length = FIRST_RUN_STEPS
-            call(run.commits, self.config.rpc_timeout_s, "end_step")
-            if self.plane is not None and not self.plane_broken:
-                step_id = run.first_step_id + run.index
-                self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
-            report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
-            if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
-                self.rejoin()
-
-    def _announce(self, run: DecodeRun, step_id: int) -> bool:
-        """Tell the run's remote shards its next step follows. A group that broke since (a shard died) ends the
-        run as failed: the coordinator's answer is raised (nothing of this step happened: run it again) unless
-        it recovered every sequence, then False (begin afresh, after a rejoin)."""
-        if self.plane is None:
-            return True
-        try:
-            self.plane.send_run_header(CMD_NEXT, run.index - 1, step_id, run.num_tokens, self.device)
-            return True
-        except RuntimeError as exc:   # gloo: the peer is gone
-            self.plane_broken, self.run, self.run_length = True, None, FIRST_RUN_STEPS
-            call(run.commits, self.config.rpc_timeout_s, "end_step")
-            self.end_step(run.first_step_id, False, f"data plane: {type(exc).__name__}: {exc}", run.index - 1)
-            return False
-
-    def end_idle_run(self, idle_s: float) -> None:
-        """The RunReaper's call: end a run no step used for ``idle_s`` (the caller's next step waits meanwhile)."""
-        with self._guard:
-            run = self.run
-            if run is None or self.open_step is not None or not run.idle_for(idle_s):
-                return
-            self.open_step = _REAPING
-        try:
-            self.end_run()
-        finally:
-            with self._guard:
-                self.open_step = None
-                self._reaped.notify_all()
-
-    def commit_async(self, step_id: int, request: dict, replay, timings: dict) -> None:
-        """A step's commit, sent without waiting; a run's steps before its last only advance its lengths."""
-        run = self.run
-        index = run.position(step_id) if run is not None else None
-        if index is not None and index + 1 < run.num_steps:
-            run.commits.append(self.end_step_async(run.first_step_id, index + 1))
-            run.step_ended()
-            return
-        if index is not None:
-            self.run = None   # its last step: the commit ends it (and reads the shards' reports)
-            self.run_length = 2 * run.num_steps
-            step_id, done = run.first_step_id, run.num_steps
-        else:
-            done = None
-        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done))
-
-    def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False) -> dict:
-        """end_step for one step, of a run or not. ``shards_waiting``: every layer was attended, so a run's
-        remote shards wait for its next run header: told END first."""
-        with self._run_lock:
-            run = self.run
-            index = run.position(step_id) if run is not None else None
-            if index is None:
-                return self.end_step(step_id, commit, why)
-            if commit and index + 1 < run.num_steps:
-                run.step_ended()
-                return self.end_step(run.first_step_id, True, why, index + 1)   # the run goes on
-            self.run = None
-            self.run_length = 2 * run.num_steps if commit else FIRST_RUN_STEPS
-            call(run.commits, self.config.rpc_timeout_s, "end_step")
-            done = index + 1 if commit else index
-            if (shards_waiting and index + 1 < run.num_steps and self.plane is not None
-                    and not self.plane_broken):
-                self.plane.send_run_header(CMD_END, index + 1, step_id + 1, run.num_tokens, self.device)
-            return self.end_step(run.first_step_id, commit, why, done)
 
     # Data plane ----------------------------------------------------------------------------------
     def join(self) -> None:

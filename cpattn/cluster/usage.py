@@ -5,14 +5,17 @@ A pure function of the coordinator's state owners (called under the coordinator'
 
 from __future__ import annotations
 
+from cpattn.cluster.client_registry import ClientRegistry
+from cpattn.cluster.open_steps import OpenSteps
 from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.cluster.shard_set import ShardSet
 from cpattn.config import ServiceConfig
 
 
 def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, me: str | None, admin: bool,
-                 num_other_clients: int) -> dict:
+                 clients: ClientRegistry, steps: OpenSteps, extra: dict) -> dict:
     """``clients`` lists only ``me`` (every client when ``admin``); the others are counted in ``other_clients``."""
+    num_other_clients = len([c for c in clients.ids() if c != me])
     infos, bytes_per_block = shard_set.infos, cfg.bytes_per_block()
     shards = []
     for rank in range(cfg.num_shards):
@@ -28,4 +31,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
             "other_clients": {"clients": num_other_clients, **others},
             "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
             "backend": infos[0]["backend"] if infos else None,
-            "kernel_version": infos[0]["kernel_version"] if infos else None}
+            "kernel_version": infos[0]["kernel_version"] if infos else None,
+            "steps_committed": steps.num_committed, "steps_rolled_back": steps.num_rolled_back,
+            "shards_replaced": extra["shards_replaced"], "epoch": extra["epoch"], "open_steps": len(steps),
+            "num_clients": len(clients)}
