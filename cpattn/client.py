@@ -165,7 +165,7 @@ class Service:
                 self.gateway.flush(end_run=True)
             except CpattnError as exc:
                 logger.warning("shutting down: %s", exc)
-        self.gateway.lease.stop()
+        self.gateway.stop_threads()
         self.gateway.leave()
         stop_coordinator(self.gateway.coordinator, self.config.rpc_timeout_s, self.config, self.operator_credential)
         if self._owns_ray and ray.is_initialized() and not was_closed:

@@ -396,15 +396,19 @@ class Gateway(RunControl):
         """Remote shards enqueue a step's layers ahead (NCCL): the step must attend layers in order."""
         return self.plane is not None and self.plane.backend == "nccl"
 
+    def stop_threads(self) -> None:
+        """The lease keeper and the run reaper end (the service ends this client's lease on its own)."""
+        self.lease.stop()
+        if self._reaper is not None:
+            self._reaper.stop()
+
     def close(self) -> None:
         """End this client (its sequences stay); the service keeps running."""
         try:
             self.flush(end_run=True)
         except CpattnError as exc:
             logger.warning("closing client %s: %s", self.client_id, exc)
-        self.lease.stop()
-        if self._reaper is not None:
-            self._reaper.stop()
+        self.stop_threads()
         self.leave()
         try:   # waited for, so what the client held is settled when close() returns
             call(self.coordinator.unregister_client.remote(self.credential), self.config.rpc_timeout_s,
