@@ -102,8 +102,8 @@ def test_idle_shard_lost_mid_step_single_replica(ray_session, async_commit):
         b = svc.add_sequence()
         checked_step(svc, oracle, {b: 1}, tol=1e-10)       # b's one token lives on shard 0; shard 2 holds none
         replaced = svc.stats()["shards_replaced"]
-        with pytest.raises(ServiceError, match="rolled back") as info:
-            checked_step(svc, oracle, {b: 1}, after_layer=_kill_after_layer0(svc, 2), tol=1e-10)
+        with pytest.raises(ServiceError, match="rolled back") as info:   # 2 tokens: a plain step, not a decode run
+            checked_step(svc, oracle, {b: 2}, after_layer=_kill_after_layer0(svc, 2), tol=1e-10)
         assert "run" in str(info.value) and "again" in str(info.value)
         wait_replaced(svc, replaced + 1)
         assert svc.sequence_length(b) == oracle.length(b) == 1
