@@ -319,7 +319,7 @@ def finish_deferred_commit(gw: Gateway, pending: PendingCommit) -> None:
             raise
         report = gw.end_step(pending.step_id, True, None)   # the coordinator restarted: ask the new one
     if not report.get("recovered"):
-        gw.committed(pending.timings, report)
+        gw.committed(pending.timings, report, pending.earlier)
         return
     gw.rejoin()
     if pending.replay is None:

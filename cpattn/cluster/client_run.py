@@ -44,6 +44,8 @@ class PendingCommit:
     timings: dict[str, float]
     """The Step's own timings dict: completed in place when the answer is read."""
     ref: Any
+    earlier: list[dict] = field(default_factory=list)
+    """The timings of the decode run's earlier steps (this is its last): completed with it."""
 
 
 @dataclass
@@ -57,6 +59,8 @@ class DecodeRun:
     """Steps begun so far."""
     commits: list = field(default_factory=list)
     """Refs of this run's end_step(done=n) sent without waiting (read at the latest when the run ends)."""
+    timings: list[dict] = field(default_factory=list)
+    """The timings dicts of its committed steps: the shards report once per run (Gateway.committed)."""
     idle_since: float | None = None
     """When its last step ended; None while one of its steps is open (the RunReaper leaves it alone)."""
 
@@ -124,6 +128,8 @@ class RunControl:
                 step_id = run.first_step_id + run.index
                 self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
             report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
+            if run.timings:
+                self.committed(run.timings[-1], report, run.timings[:-1])
             if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
                 self.rejoin()
 
@@ -162,15 +168,15 @@ class RunControl:
         index = run.position(step_id) if run is not None else None
         if index is not None and index + 1 < run.num_steps:
             run.commits.append(self.end_step_async(run.first_step_id, index + 1))
+            run.timings.append(timings)
             run.step_ended()
             return
+        earlier, done = [], None
         if index is not None:
             self.run = None   # its last step: the commit ends it (and reads the shards' reports)
             self.run_length = 2 * run.num_steps
-            step_id, done = run.first_step_id, run.num_steps
-        else:
-            done = None
-        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done))
+            step_id, done, earlier = run.first_step_id, run.num_steps, run.timings
+        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done), earlier)
 
     def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False) -> dict:
         """end_step for one step, of a run or not. ``shards_waiting``: every layer was attended, so a run's

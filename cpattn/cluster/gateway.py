@@ -265,10 +265,13 @@ class Gateway(RunControl):
             if self.open_step is step:
                 self.open_step = None
 
-    def committed(self, timings: dict[str, float], report: dict) -> None:
-        """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported."""
-        timings["plan_s"] += report.get("shard_plan_s", 0.0)
-        timings["attention_s"] = report.get("attention_s", 0.0)
+    def committed(self, timings: dict[str, float], report: dict, earlier: list[dict] = ()) -> None:
+        """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported;
+        a decode run's shards report once for all its steps (``earlier`` and this one), shared out evenly."""
+        steps = [*earlier, timings]
+        for t in steps:
+            t["plan_s"] += report.get("shard_plan_s", 0.0) / len(steps)
+            t["attention_s"] = report.get("attention_s", 0.0) / len(steps)
         self.last_step_timings = dict(timings)
 
     def wait_for_device(self, wire: StepWire) -> None:
