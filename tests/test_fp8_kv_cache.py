@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from cpattn import ServiceConfig
-from cpattn.attention import get_attn_backend
 from cpattn.attention.backend import write_kv_cache
 from cpattn.cluster.gateway import merge_rows
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step
-from cpattn.errors import BackendUnavailableError, ConfigError
+from cpattn.errors import ConfigError
 from cpattn.kvstore.fp8 import (FP8_FORMATS, PageScaleWrites, dequantize, max_relative_error, needed_scales,
                                 quantize)
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
@@ -343,21 +342,28 @@ def test_static_scales_are_used_as_given():
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
-def test_gpu_backends_say_they_do_not_serve_the_new_features_yet(backend, monkeypatch):
+def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypatch):
+    """TRITON serves fp8, windows and soft caps; FLASHINFER and FLASH_ATTN serve soft caps and say why not the
+    other two (per-page fp8 scales, global-position windows); auto on CUDA then takes TRITON for them."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    geo = dict(head_size=128, dtype=torch.bfloat16, block_size=16, num_q_heads=8, num_kv_heads=2, device="cuda")
-    with pytest.raises(BackendUnavailableError) as info:
-        get_attn_backend(backend, kv_cache_dtype="fp8_e4m3", sliding_window=True, logits_soft_cap=True, **geo)
-    reasons = " | ".join(info.value.reasons[backend])
-    assert f"fp8 KV cache (fp8_e4m3) not implemented for {backend} yet" in reasons
-    assert f"sliding_window not implemented for {backend} yet" in reasons
-    assert f"logits_soft_cap not implemented for {backend} yet" in reasons
-    # The default settings (kv_cache_dtype auto, no window, no cap) add no reason: the GPU kernels stay eligible.
     from cpattn.attention.backend import AttentionSelectorConfig
     from cpattn.attention.registry import load_backend_class
+
+    cls = load_backend_class(backend)
+    everything = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", block_size=16,
+                                         num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0),
+                                         sliding_window=True, logits_soft_cap=True)
+    reasons = " | ".join(cls.validate(everything))
+    assert "logits_soft_cap" not in reasons
+    if backend == "TRITON":
+        assert "fp8" not in reasons and "sliding_window" not in reasons
+        older = AttentionSelectorConfig(**{**everything.__dict__, "device_capability": (8, 0)})
+        assert "fp8_e4m3 KV needs compute capability 8.9 or newer in Triton" in " | ".join(cls.validate(older))
+    else:
+        assert f"fp8 KV cache (fp8_e4m3) is not served by {backend}: " in reasons
+        assert "each carry their own scales" in reasons and "use backend TRITON (CUDA) or TORCH" in reasons
+        assert f"sliding_window is not served by {backend}: " in reasons and "global positions" in reasons
     default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,
                                       num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0))
-    assert not [r for r in load_backend_class(backend).validate(default) if "not implemented" in r]
-    # auto on CUDA still takes TORCH for the new features.
-    assert get_attn_backend("auto", kv_cache_dtype="fp8_e5m2", sliding_window=True, **geo).name == "TORCH"
+    assert not [r for r in cls.validate(default) if "served" in r or "KV needs" in r]

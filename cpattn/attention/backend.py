@@ -170,6 +170,10 @@ class AttentionBackend:
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    # Why a feature is not served, when a backend can say more than "not implemented yet" (validate's reasons).
+    fp8_unsupported_why: ClassVar[str | None] = None
+    sliding_window_unsupported_why: ClassVar[str | None] = None
+    logits_soft_cap_unsupported_why: ClassVar[str | None] = None
 
     @classmethod
     def get_name(cls) -> str:
@@ -210,17 +214,20 @@ class AttentionBackend:
             reasons.append(f"device {config.device_type} not supported (supports {', '.join(cls.supported_devices)})")
         if config.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(cls.supported_dtypes)})")
+        elsewhere = "use backend TRITON (CUDA) or TORCH"
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             if config.kv_cache_dtype.startswith("fp8"):
-                reasons.append(f"fp8 KV cache ({config.kv_cache_dtype}) not implemented for {cls.name} yet "
-                               "(use backend TORCH, or kv_cache_dtype auto)")
+                why = cls.fp8_unsupported_why or f"not implemented for {cls.name} yet"
+                reasons.append(f"fp8 KV cache ({config.kv_cache_dtype}) {why} ({elsewhere}, or kv_cache_dtype auto)")
             else:
                 reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
                                f"(supports {', '.join(cls.supported_kv_cache_dtypes)})")
         if config.sliding_window and not cls.supports_sliding_window:
-            reasons.append(f"sliding_window not implemented for {cls.name} yet (use backend TORCH, or no window)")
+            why = cls.sliding_window_unsupported_why or f"not implemented for {cls.name} yet"
+            reasons.append(f"sliding_window {why} ({elsewhere}, or no window)")
         if config.logits_soft_cap and not cls.supports_logits_soft_cap:
-            reasons.append(f"logits_soft_cap not implemented for {cls.name} yet (use backend TORCH, or no soft cap)")
+            why = cls.logits_soft_cap_unsupported_why or f"not implemented for {cls.name} yet"
+            reasons.append(f"logits_soft_cap {why} ({elsewhere}, or no soft cap)")
         sizes = cls.supported_head_sizes
         if sizes is None:
             if config.head_size % 8 or config.head_size > 256:
