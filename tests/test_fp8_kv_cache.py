@@ -162,7 +162,9 @@ class InProcessService:
         reqs = [StepRequest(self.rows[s], self.lens[s], n) for s, n in request.items()]
         self.alloc.grow([(self.rows[s], self.lens[s] + n) for s, n in request.items()])
         self.step_id += 1
-        plans = plan_step(self.alloc, reqs, self.step_id, self.cfg.pcp_enabled, self.cfg.pcp_min_tokens)
+        plans = plan_step(self.alloc, reqs, self.step_id, self.cfg.pcp_enabled, self.cfg.pcp_min_tokens,
+                          row_window=self.cfg.row_window())
+        self.last_plans = plans
         planned = [w.runner.plan(p) for w, p in zip(self.workers, plans)]
         outs = []
         for layer, (q, k, v) in enumerate(layers_qkv):

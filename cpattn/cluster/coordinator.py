@@ -289,7 +289,8 @@ class Coordinator:
             requests = [StepRequest(s.rows, s.length, n) for s, n in zip(seqs, request.values())]
             try:
                 plans = plan_step(self.table.allocator, requests, step_id, self.config.pcp_enabled,
-                                  self.config.pcp_min_tokens, self.incarnation, self._shard_secret)
+                                  self.config.pcp_min_tokens, self.incarnation, self._shard_secret,
+                                  row_window=self.config.row_window())
             except BaseException:
                 self.table.undo(growth, [s.seq_id for s in seqs], step_id)
                 raise
