@@ -155,3 +155,31 @@ def test_declared_features_match_validate(name):
     assert ("fp8" in reasons) == ("fp8_e4m3" not in cls.supported_kv_cache_dtypes)
     assert ("sliding_window" in reasons) == (not cls.supports_sliding_window)
     assert ("logits_soft_cap" in reasons) == (not cls.supports_logits_soft_cap)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_triton_fp8_write_matches_torch_quantize_bytes(fmt):
+    """The KV write kernel quantises exactly as kvstore.fp8.quantize (torch): same bytes, on a cache view with
+    kernel pages smaller than the scale pages, with values that saturate (inf), stay NaN, or go subnormal."""
+    from cpattn.attention.backend import write_kv_cache as torch_write
+    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.kvstore.fp8 import FP8_FORMATS, PageScaleWrites
+
+    _backend_or_skip("TRITON", fmt, None, None)
+    g = torch.Generator().manual_seed(4)
+    n, ps, hk, d, t = 64, 32, 8, 128, 500
+    slots = torch.randperm(n * ps, generator=g)[:t]
+    slots[::7] = -1
+    k = torch.randn(t, hk, d, generator=g) * torch.logspace(-6, 3, d)            # down to subnormals
+    v = torch.randn(t, hk, d, generator=g)
+    k[3, 1, 5], v[4, 2, 6], k[5, 0, 0] = float("inf"), float("nan"), 1e6
+    k, v, slots = k.to(torch.bfloat16).to(DEVICE), v.to(torch.bfloat16).to(DEVICE), slots.to(DEVICE)
+    scales = torch.zeros(2, n, hk, device=DEVICE)
+    ref = torch.zeros(2, n, ps, hk, d, dtype=FP8_FORMATS[fmt], device=DEVICE)
+    PageScaleWrites([slots.cpu()], ps, DEVICE).grow(ref, scales, k, v, fmt)
+    torch_write(ref, k, v, slots, scales)
+    got = torch.zeros_like(ref)
+    tk.write_kv_cache(got.view(2, n * 2, ps // 2, hk, d), k, v, slots, scales)      # kernel pages of 16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0, atol=0, equal_nan=True)   # NaN's sign bit aside
+    finite = ref.float().isfinite()
+    assert torch.equal(got.view(torch.uint8)[finite], ref.view(torch.uint8)[finite])

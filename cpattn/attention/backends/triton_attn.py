@@ -171,20 +171,18 @@ def _interpreting() -> bool:
 def write_kv_cache_fast(kv_cache: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
                         slot_mapping_T: torch.Tensor, kv_scale_2NK: torch.Tensor | None = None) -> None:
     """The KV update before attention: a Triton scatter on CUDA (no host sync), torch elsewhere.
-    An fp8 cache (``kv_scale_2NK`` [2, pages, Hk], its per-page scales) is written by the torch path, which
-    quantises."""
-    if kv_scale_2NK is not None:
-        write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
-        return
-    if kv_cache.is_cuda:
+    An fp8 cache (``kv_scale_2NK`` [2, pages, Hk], its per-page scales) is quantised by the same rule on both
+    paths (kvstore.fp8.quantize)."""
+    # (Triton's interpreter rounds float32 -> fp8 differently from the GPU and torch: fp8 writes stay in torch there.)
+    if kv_cache.is_cuda or (_interpreting() and kv_scale_2NK is None):
         try:
             from cpattn.attention.backends import triton_kernels as tk
         except ImportError:
             pass
         else:
-            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
             return
-    write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+    write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
 
 
 def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, pieces_P3: torch.Tensor,
