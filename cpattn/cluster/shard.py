@@ -195,7 +195,8 @@ class ShardWorker:
         self._ready = True
 
     def export_kv(self, group_name: str, ticket: str | None = None) -> list[tuple]:
-        """CUDA IPC handles of every layer's KV cache, for a client on this GPU to open once per connection.
+        """CUDA IPC handles of every layer's KV cache (and an fp8 cache's page scales), for a client on this GPU to
+        open once per connection.
 
         Such a client computes this shard's share in its own process (no per-layer hand-over between
         two processes on one GPU, which costs a context switch each way); the caches stay owned here.
@@ -208,7 +209,8 @@ class ShardWorker:
             raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return [reduce_tensor(t)[1] for t in self.kv_caches]
+        # fp8: the page scales too (after the caches), which the client grows as it writes its pages.
+        return [reduce_tensor(t)[1] for t in self.kv_caches + (self.kv_scales or [])]
 
     def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer).
