@@ -102,18 +102,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
     def graph_key(self, md: TritonAttentionMetadata) -> tuple | None:
-        """(T, S, block-table width bucket, each window's S) of a decode-only step, whose launches depend on
+        """(T, S (with each window's S), block-table width bucket) of a decode-only step, whose launches depend on
         nothing else;
         None when the step cannot replay a captured graph (prefill tiles are planned per step)."""
         if not md.decode_only or md.num_tokens == 0:
             return None
         width = md.block_table.shape[1]
-        windowed = tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
-        return md.num_tokens, md.num_splits, max(64, 1 << (width - 1).bit_length()), windowed
+        splits = md.num_splits
+        if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)
+            splits = (splits,) + tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
+        return md.num_tokens, splits, max(64, 1 << (width - 1).bit_length())
 
     def make_static(self, md: TritonAttentionMetadata, key: tuple) -> TritonAttentionMetadata:
         """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
-        t, width = key[0], key[2]
+        t, _, width = key
         dev = md.block_table.device
         return dataclasses.replace(
             md, has_writes=True, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
