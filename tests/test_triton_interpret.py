@@ -63,3 +63,23 @@ def test_triton_window_never_reads_pages_before_the_window():
     ref, _ = TorchAttentionImpl(s64).forward(0, b.q.double(), b.k.double(), b.v.double(), b.kv_cache.double(),
                                             TorchMetadataBuilder(s64).build(0, md))
     assert rel(outs[1], ref) < KERNEL_TOL
+
+
+def test_triton_fp8_kernel_pages_smaller_than_scale_pages():
+    """A kernel view with pages of 16 over manager pages of 32: kernel page p reads scale page p // 2."""
+    import dataclasses
+
+    from cpattn.kvstore import expand_block_table, kernel_kv_view
+    from tests.kernel_feature_cases import _torch64, to_fp8
+
+    b = outlier_batch([1, 9, 1], [100, 20, 300], 8, 2, 32, 32, torch.float16, "cpu", seed=3)
+    md32 = make_causal_metadata(b.query_lens, b.context_lens, b.block_table, 32)
+    cache, scales = to_fp8(b.kv_cache, md32.slot_mapping, b.k, b.v, "fp8_e4m3")
+    ref, _ = _torch64(b, md32, cache, scales, 50, 5.0, "cpu")
+    table16 = expand_block_table(b.block_table, 32, 16)
+    md16 = make_causal_metadata(b.query_lens, b.context_lens, table16, 16)
+    s = spec(dataclasses.replace(b, block_size=16, block_table=table16), torch.float16, "cpu", 50, 5.0)
+    plan = TritonAttentionBackend.get_builder_cls()(s).build(0, md16)
+    out, _ = TritonAttentionBackend.get_impl_cls()(s).forward(0, b.q, b.k, b.v, kernel_kv_view(cache.clone(), 32, 16),
+                                                              plan, kv_scale=scales)
+    assert rel(out, ref) < KERNEL_TOL
