@@ -133,10 +133,18 @@ def _time_decode(cls, b, window, fmt, iters=20):
 
 
 def test_triton_decode_speed_fp8_and_window_at_1m():
-    """One 1M-token decode (8 q heads, 2 kv heads, D 128), kernels replayed from a CUDA graph: fp8 e4m3 <= 0.6x
+    """One 1M-token decode (32 q heads, 8 kv heads, D 128), kernels replayed from a CUDA graph: fp8 e4m3 <= 0.6x
     bf16's kernel time, a 4,096-key window <= 0.05 ms (the issue's goals). Prints the times for RESULTS.md."""
+    from tests.gpu.batches import PagedBatch
+
     cls = _backend_or_skip("TRITON", "fp8_e4m3", 4096, None)
-    b = outlier_batch([1], [1 << 20], 8, 2, 128, 16, torch.bfloat16, DEVICE, seed=3)
+    n, hq, hk, d, ps = 1 << 20, 32, 8, 128, 16                       # cp_scaling's geometry
+    pages = n // ps + 1
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    cache = torch.randn(2, pages, ps, hk, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(1, h, d, generator=g, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hk, hk))
+    table = torch.randperm(pages, device=DEVICE)[None]
+    b = PagedBatch(q, k, v, cache, table, [1], [n], ps)
     bf16 = _time_decode(cls, b, None, None)
     fp8 = _time_decode(cls, b, None, "fp8_e4m3")
     windowed = _time_decode(cls, b, 4096, None)
