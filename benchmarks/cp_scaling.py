@@ -37,6 +37,8 @@ class Case:
     context: int     # tokens each sequence holds before the step (fill_synthetic)
     new: int         # new tokens per sequence in the step
     backend: str     # kernel for the 1-GPU reference and the service
+    kv: str = "auto"             # kv_cache_dtype (fp8_e4m3: one byte per element, per-page scales)
+    window: int | None = None    # a sliding window on every layer (global positions)
 
 
 CASES = {
@@ -44,6 +46,11 @@ CASES = {
     "decode_512k": Case("decode_512k", 1, 524288, 1, "TRITON"),
     "decode_1m": Case("decode_1m", 1, 1048576, 1, "TRITON"),
     "decode_b64_32k": Case("decode_b64_32k", 64, 32768, 1, "TRITON"),
+    # fp8 KV and sliding windows (issue 22): the goals are fp8 <= 0.6x bf16's kernel time, a window of 4,096 at
+    # 1M costing what a 4,096-token context costs.
+    "decode_1m_fp8": Case("decode_1m_fp8", 1, 1048576, 1, "TRITON", kv="fp8_e4m3"),
+    "decode_1m_w4096": Case("decode_1m_w4096", 1, 1048576, 1, "TRITON", window=4096),
+    "decode_b64_32k_fp8": Case("decode_b64_32k_fp8", 64, 32768, 1, "TRITON", kv="fp8_e4m3"),
     "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),
     "prefill_128k": Case("prefill_128k", 1, 0, 131072, "FLASH_ATTN"),
     "chunked_8k_on_512k": Case("chunked_8k_on_512k", 1, 524288, 8192, "FLASH_ATTN"),
@@ -54,7 +61,7 @@ CASES = {
     "prefill_1m": Case("prefill_1m", 1, 0, 1048576, "FLASH_ATTN"),
 }
 DEFAULT_CASES = ("decode_128k", "decode_512k", "decode_1m", "decode_b64_32k", "prefill_32k", "prefill_128k",
-                 "chunked_8k_on_512k")
+                 "chunked_8k_on_512k", "decode_1m_fp8", "decode_1m_w4096", "decode_b64_32k_fp8")
 # --smoke: every code path of a real run (fill, decode, batched decode, prefill split across shards, chunked
 # prefill, 1 and 2 shards, the kernel column) on tiny shapes on the CPU, in seconds.
 SMOKE_CASES = {
@@ -62,6 +69,8 @@ SMOKE_CASES = {
     "decode_b4_smoke": Case("decode_b4_smoke", 4, 70, 1, "TORCH"),
     "prefill_smoke": Case("prefill_smoke", 1, 0, 96, "TORCH"),
     "chunked_smoke": Case("chunked_smoke", 1, 200, 40, "TORCH"),
+    "decode_fp8_w64_smoke": Case("decode_fp8_w64_smoke", 2, 300, 1, "TORCH", kv="fp8_e4m3", window=64),
+    "chunked_fp8_w64_smoke": Case("chunked_fp8_w64_smoke", 1, 200, 40, "TORCH", kv="fp8_e4m3", window=64),
 }
 
 
@@ -71,27 +80,36 @@ def use_smoke_shapes() -> None:
     KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 4
 
 
-def usable_backend(name: str) -> str:
+def _features(case: Case) -> dict:
+    return {"kv_cache_dtype": case.kv, "sliding_window": case.window is not None}
+
+
+def usable_backend(name: str, case: Case) -> str:
     from cpattn.attention import get_attn_backend
     from cpattn.errors import BackendUnavailableError
 
     try:
         get_attn_backend(name, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ, num_kv_heads=HK,
-                         device=DEVICE)
+                         device=DEVICE, **_features(case))
         return name
     except BackendUnavailableError:
         return "TRITON" if DEVICE == "cuda" else "TORCH"
 
 
+def _kv_bytes_per_token_layer(case: Case) -> float:
+    return KV_BYTES_PER_TOKEN_LAYER * (0.5 if case.kv.startswith("fp8") and DTYPE == torch.bfloat16 else
+                                       0.25 if case.kv.startswith("fp8") else 1.0)
+
+
 def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float) -> int:
     tokens = case.batch * (case.context + case.new)
-    per_layer = tokens * KV_BYTES_PER_TOKEN_LAYER / gpus
+    per_layer = tokens * _kv_bytes_per_token_layer(case) / gpus
     return max(1, min(wanted, int(budget_gb * 2**30 // per_layer)))
 
 
 def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
     """One layer of the whole batch's KV on one GPU (the kernel column); 10M tokens do not fit."""
-    return case.batch * (case.context + case.new) * KV_BYTES_PER_TOKEN_LAYER <= budget_gb * 2**30
+    return case.batch * (case.context + case.new) * _kv_bytes_per_token_layer(case) <= budget_gb * 2**30
 
 
 def kernel_ms(case: Case, backend: str, repeats: int) -> float:
@@ -99,10 +117,17 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
     from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
     cls = get_attn_backend(backend, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ,
-                           num_kv_heads=HK, device=DEVICE)
-    spec = AttentionSpec(HQ, HK, D, DTYPE, BLOCK, DEVICE)
+                           num_kv_heads=HK, device=DEVICE, **_features(case))
+    spec = AttentionSpec(HQ, HK, D, DTYPE, BLOCK, DEVICE, sliding_windows=(case.window,))
     pages = -(-(case.context + case.new) // BLOCK)
     cache = torch.randn(cls.get_kv_cache_shape(case.batch * pages, BLOCK, HK, D), device=DEVICE, dtype=DTYPE)
+    extra = {}
+    if case.kv.startswith("fp8"):
+        from cpattn.kvstore.fp8 import fp8_dtype, page_scales_of, quantize
+
+        scales = page_scales_of(cache, case.kv)                                  # per page, as the service keeps
+        cache = quantize(cache, scales[:, :, None, :, None], fp8_dtype(case.kv))
+        extra["kv_scale"] = scales
     table = torch.randperm(case.batch * pages).view(case.batch, pages)
     md = cls.get_builder_cls()(spec).build(0, make_causal_metadata([case.new] * case.batch, [case.context] * case.batch,
                                                                      table, BLOCK).to(DEVICE))
@@ -114,13 +139,13 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
         if DEVICE == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            impl.forward(0, q, k, v, cache, md)
+            impl.forward(0, q, k, v, cache, md, **extra)
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            impl.forward(0, q, k, v, cache, md)
+            impl.forward(0, q, k, v, cache, md, **extra)
             elapsed = 1e3 * (time.perf_counter() - t0)
         if i >= 2:
             times.append(elapsed)
@@ -137,9 +162,13 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
     import cpattn
 
     rows = []
-    for group in ([cases] if one_service else [[c] for c in cases]):
+    groups = [[c] for c in cases]
+    if one_service:            # one service per KV format and window (service-wide settings)
+        settings = list(dict.fromkeys((c.kv, c.window) for c in cases))
+        groups = [[c for c in cases if (c.kv, c.window) == kw] for kw in settings]
+    for group in groups:
         layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb) for c in group)
-        backends = {c.name: usable_backend(c.backend) for c in group}
+        backends = {c.name: usable_backend(c.backend, c) for c in group}
         blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2 + 8)) // gpus) // BLOCK + 2 * c.batch + 16
                      for c in group)
         gpu = DEVICE == "cuda"
@@ -150,7 +179,8 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
                                    name=f"cp-scaling-{gpus}", rpc_timeout_s=600, collective_timeout_s=600,
                                    shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
                                    # one step of the case, whatever its size (the default caps steps at 16K)
-                                   max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)))
+                                   max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
+                                   kv_cache_dtype=group[0].kv, sliding_window=group[0].window)
         svc = cpattn.start(cfg)
         try:
             for case in group:
@@ -192,7 +222,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
     # and the mean charges it to every step as a decode loop pays it.
     wall = statistics.fmean(walls)
     return {"case": case.name, "gpus": gpus, "batch": case.batch, "context": case.context, "new": case.new,
-            "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
+            "kv_cache_dtype": case.kv, "window": case.window, "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
             "data_plane": gw.plane.backend if gw.plane else "none",
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
@@ -238,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "
           f"ms/layer = step wall time / layers (means of {args.repeats} steps)")
     print(HEADER)
-    kernels = {c.name: (kernel_ms(c, usable_backend(c.backend), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
+    kernels = {c.name: (kernel_ms(c, usable_backend(c.backend, c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
                         else float("nan")) for c in cases}
     rows = []
     for gpus in map(int, args.gpus.split(",")):

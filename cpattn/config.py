@@ -299,6 +299,12 @@ class ServiceConfig(BaseModel):
         w = self.sliding_window
         return list(w) if isinstance(w, list) else [w] * self.num_layers
 
+    def row_window(self) -> int | None:
+        """The largest window when every layer has one, else None: a shard holding no key of a query within it
+        computes and sends no row for that query (cluster/step_planner.computed_rows)."""
+        windows = self.layer_windows()
+        return None if not windows or any(w is None for w in windows) else max(windows)
+
     def layer_soft_caps(self) -> list[float | None]:
         """logits_soft_cap of every layer (None = no cap)."""
         c = self.logits_soft_cap
@@ -319,7 +325,8 @@ class ServiceConfig(BaseModel):
 
     def bytes_per_block(self) -> int:
         """Bytes of one KV page across all layers (K and V); fp8 caches hold one byte per element
-        (their per-(layer, kv head) scales are a few bytes per layer, not per page)."""
+        (their per-page scales, 8 bytes per layer and kv head, 4 / (block_size * head_size) of the page, are not
+        counted)."""
         itemsize = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "fp8_e4m3": 1,
                     "fp8_e5m2": 1}[self.kv_cache_format]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize

@@ -6,6 +6,8 @@
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
+#   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows, soft caps, sinks per backend vs float64 (not
+#                                        # FlashInfer's: those run in the flashinfer part), TRITON speed at 1M keys
 # Extra arguments go to pytest. On the device machine, source /tmp/site/env.sh first (see its README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,8 @@ case "$part" in
   dataplane) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_data_plane_gpu.py \
                tests/gpu/test_client_graphs_gpu.py \
                -k "not FLASHINFER" "$@" ;;
+  features) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs -s tests/gpu/test_backend_features_gpu.py \
+              -k "not FLASHINFER" "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
-  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|flashinfer} [pytest args]" >&2; exit 1 ;;
+  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|flashinfer|features} [pytest args]" >&2; exit 1 ;;
 esac

@@ -19,7 +19,8 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     got = {(r["case"], r["gpus"]) for r in rows}
-    cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke"}
+    cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke", "decode_fp8_w64_smoke",
+             "chunked_fp8_w64_smoke"}
     assert got == {(c, g) for c in cases for g in (1, 2)}
     for r in rows:
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from cpattn import ServiceConfig
-from cpattn.attention import get_attn_backend
+from cpattn.attention.backend import write_kv_cache
 from cpattn.cluster.gateway import merge_rows
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step
-from cpattn.errors import BackendUnavailableError, ConfigError
-from cpattn.kvstore.fp8 import (FP8_FORMATS, dequantize, dynamic_scales, max_relative_error, quantize,
-                                rescale_cache)
+from cpattn.errors import ConfigError
+from cpattn.kvstore.fp8 import (FP8_FORMATS, PageScaleWrites, dequantize, max_relative_error, needed_scales,
+                                quantize)
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 from tests.reference import attention_with_visibility, window_visibility
 
@@ -47,7 +47,7 @@ def _with_outliers(shape, g, scale=1.0):
 def test_quantize_error_per_format_and_scales_are_powers_of_two(fmt):
     g = torch.Generator().manual_seed(1)
     k, v = _with_outliers((500, 2, 16), g), _with_outliers((500, 2, 16), g, scale=0.01)
-    scales = dynamic_scales(torch.zeros(2, 2), k, v, fmt)
+    scales = needed_scales(torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]), fmt)
     assert bool((torch.log2(scales) == torch.round(torch.log2(scales))).all())       # powers of two
     dtype = FP8_FORMATS[fmt]
     tiny = torch.finfo(dtype).smallest_normal
@@ -61,24 +61,76 @@ def test_quantize_error_per_format_and_scales_are_powers_of_two(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(FP8_FORMATS))
-def test_scale_growth_requantises_by_exponent_shift(fmt):
-    """Growing a scale by 2^e re-expresses cached values exactly, except those below the new subnormal range."""
+def test_page_scale_growth_requantises_by_exponent_shift(fmt):
+    """A page's scale grown by 2^e re-expresses its cached values exactly, except those below the new subnormal
+    range; the other pages (other sequences) keep their bytes and scales."""
     dtype = FP8_FORMATS[fmt]
     g = torch.Generator().manual_seed(2)
     cache = torch.zeros(2, 4, 8, 2, 16, dtype=dtype)
-    x = _with_outliers((2, 4, 8, 2, 16), g)
-    old = dynamic_scales(torch.zeros(2, 2), x[0].reshape(-1, 2, 16), x[1].reshape(-1, 2, 16), fmt)
-    cache.copy_(quantize(x, old[:, None, None, :, None], dtype))
-    before = dequantize(cache, old[:, None, None, :, None], torch.float64)
-    new = old.clone()
-    new[0, 1] *= 16.0
-    new[1, 0] *= 2.0
-    rescale_cache(cache, old, new)
-    after = dequantize(cache, new[:, None, None, :, None], torch.float64)
+    scales = torch.zeros(2, 4, 2)
+    first = _with_outliers((2, 32, 2, 16), g)                    # every page's slots 0 .. 5
+    slots = torch.tensor([p * 8 + i for p in range(4) for i in range(6)])
+    k, v = first[0, :24].float(), first[1, :24].float()
+    PageScaleWrites([slots], 8, "cpu").grow(cache, scales, k, v, fmt)
+    write_kv_cache(cache, k, v, slots, scales)
+    before = dequantize(cache, scales[:, :, None, :, None], torch.float64)
+    bytes_before, scales_before = cache.view(torch.uint8).clone(), scales.clone()
+    big = torch.zeros(1, 2, 16)
+    big[0, 1, 0] = 16 * float(first[0, 6:12].abs().amax()) + 1e3   # page 1, kv head 1: scale grows >= 16x
+    PageScaleWrites([torch.tensor([14])], 8, "cpu").grow(cache, scales, big, big * 0, fmt)
+    write_kv_cache(cache, big, big * 0, torch.tensor([14]), scales)
+    assert scales[0, 1, 1] >= 16 * scales_before[0, 1, 1]
+    changed = torch.zeros_like(scales, dtype=torch.bool)
+    changed[0, 1, 1] = True
+    assert torch.equal(scales[~changed], scales_before[~changed])
+    untouched = torch.ones(2, 4, dtype=torch.bool)
+    untouched[0, 1] = False
+    assert torch.equal(cache.view(torch.uint8)[untouched], bytes_before[untouched])     # other pages: same bytes
+    after = dequantize(cache, scales[:, :, None, :, None], torch.float64)
     min_sub = 2.0 ** {"fp8_e4m3": -9, "fp8_e5m2": -16}[fmt]
-    representable = before.abs() >= min_sub * new[:, None, None, :, None] * 2 ** 3    # at least 4 bits left
-    assert torch.equal(after[representable], before[representable])
-    assert torch.equal(after[:, :, :, :, :][0, ..., 0, :], before[0, ..., 0, :])        # untouched head
+    kept = before[0, 1, :6, 1].abs() >= min_sub * float(scales[0, 1, 1]) * 2 ** 3        # at least 4 bits left
+    assert torch.equal(after[0, 1, :6, 1][kept], before[0, 1, :6, 1][kept])
+    assert torch.equal(after[0, 1, :6, 0], before[0, 1, :6, 0])                         # the page's other head
+
+
+def test_page_scales_isolate_sequences_restart_on_reuse_and_saturate_inf():
+    """One page per sequence: a huge value in sequence B's page moves neither A's bytes nor A's scales; a page
+    written again from its first slot (a new owner after a free) starts from scale 0; inf saturates to
+    +-fp8_max * scale and NaN stays NaN, moving no scale; the same writes give the same bytes (replicas)."""
+    fmt, dtype = "fp8_e4m3", torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(5)
+    cache, scales = torch.zeros(2, 3, 4, 1, 8, dtype=dtype), torch.zeros(2, 3, 1)
+    a_kv = torch.randn(4, 1, 8, generator=g)
+    slots_a, slots_b = torch.arange(0, 4), torch.arange(4, 8)          # A owns page 0, B page 1
+    for slots, kv in ((slots_a, a_kv), (slots_b, torch.randn(4, 1, 8, generator=g))):
+        PageScaleWrites([slots], 4, "cpu").grow(cache, scales, kv, kv, fmt)
+        write_kv_cache(cache, kv, kv, slots, scales)
+    a_bytes, a_scales = cache[:, 0].view(torch.uint8).clone(), scales[:, 0].clone()
+    b_kv = torch.randn(4, 1, 8, generator=g)
+    b_kv[2, 0, 3] = 1e6
+    both = torch.cat([slots_b, torch.tensor([-1])])                   # a slot of -1 (another shard's token)
+    b_kv5 = torch.cat([b_kv, torch.full((1, 1, 8), 3e7)])
+    plan = PageScaleWrites([both], 4, "cpu")
+    plan.grow(cache, scales, b_kv5, b_kv5, fmt)
+    write_kv_cache(cache, b_kv5, b_kv5, both, scales)
+    assert float(scales[0, 1, 0]) == 2.0 ** math.ceil(math.log2(1e6 / 448))
+    assert torch.equal(cache[:, 0].view(torch.uint8), a_bytes) and torch.equal(scales[:, 0], a_scales)
+    # B freed, its page 1 reused by C from slot 4 on: C's scale is its own, not B's 1e6.
+    c_kv = torch.randn(2, 1, 8, generator=g)
+    PageScaleWrites([torch.tensor([4, 5])], 4, "cpu").grow(cache, scales, c_kv, c_kv, fmt)
+    assert float(scales[0, 1, 0]) == float(needed_scales(c_kv.abs().amax(), fmt))
+    # inf / NaN: saturate / stay NaN, scale from the finite values only.
+    odd = torch.randn(2, 1, 8, generator=g)
+    odd[0, 0, 0], odd[1, 0, 1] = float("inf"), float("nan")
+    replica_cache, replica_scales = cache.clone(), scales.clone()
+    for c, s in ((cache, scales), (replica_cache, replica_scales)):
+        PageScaleWrites([torch.tensor([8, 9])], 4, "cpu").grow(c, s, odd, odd, fmt)
+        write_kv_cache(c, odd, odd, torch.tensor([8, 9]), s)
+    finite = odd.nan_to_num(nan=0.0, posinf=0.0).abs().amax()
+    assert float(scales[0, 2, 0]) == float(needed_scales(finite, fmt))
+    back = dequantize(cache[0, 2, :2], scales[0, 2][:, None], torch.float64)
+    assert float(back[0, 0, 0]) == 448.0 * float(scales[0, 2, 0]) and bool(back[1, 0, 1].isnan())
+    assert torch.equal(cache.view(torch.uint8), replica_cache.view(torch.uint8)) and torch.equal(scales, replica_scales)
 
 
 def _config(fmt, **kw):
@@ -110,7 +162,9 @@ class InProcessService:
         reqs = [StepRequest(self.rows[s], self.lens[s], n) for s, n in request.items()]
         self.alloc.grow([(self.rows[s], self.lens[s] + n) for s, n in request.items()])
         self.step_id += 1
-        plans = plan_step(self.alloc, reqs, self.step_id, self.cfg.pcp_enabled, self.cfg.pcp_min_tokens)
+        plans = plan_step(self.alloc, reqs, self.step_id, self.cfg.pcp_enabled, self.cfg.pcp_min_tokens,
+                          row_window=self.cfg.row_window())
+        self.last_plans = plans
         planned = [w.runner.plan(p) for w, p in zip(self.workers, plans)]
         outs = []
         for layer, (q, k, v) in enumerate(layers_qkv):
@@ -196,25 +250,26 @@ def test_fp8_service_path_error_bound_and_replica_refill(fmt, interleave):
             assert any(bool((s > s0).any()) for s, s0 in zip(svc.workers[0].kv_scales, scales_before))
     print(f"{fmt_name} interleave {interleave}: relative L2 error {err.value:.4f}")
     assert 0 < err.value <= ERROR_BOUND[fmt_name], f"{fmt_name}: relative error {err.value}"
-    # Every shard computed the same scales; replica pages hold exactly their owner's values.
-    for w in svc.workers[1:]:
-        assert all(torch.equal(x, y) for x, y in zip(w.kv_scales, svc.workers[0].kv_scales))
+    # Replica pages hold exactly their owner's values and scales (a page's scale depends on its tokens only).
     for rank in range(cfg.num_shards):
         holder = svc.alloc.replica_holder(rank)
         for seq in svc.rows:
             mine = svc.alloc.tables[rank].row(seq.primary[rank])
             copy = svc.alloc.tables[holder].row(seq.replica[holder])
             assert torch.equal(svc.workers[rank].read_blocks(mine), svc.workers[holder].read_blocks(copy))
-    # Replace shard 1 by a fresh one refilled from the copies: same values, hence the same next step.
+            assert torch.equal(svc.workers[rank].read_block_scales(mine), svc.workers[holder].read_block_scales(copy))
+    # Replace shard 1 by a fresh one refilled from the copies: same values and scales, hence the same next step.
     lost = 1
     fresh = ShardWorker(cfg, lost)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for c in refill_copies(svc.alloc, svc.rows, lost):
-        fresh.write_blocks(c.dst_blocks, svc.workers[c.src].read_blocks(c.src_blocks))
+        src = svc.workers[c.src]
+        fresh.write_blocks(c.dst_blocks, src.read_blocks(c.src_blocks), scales=src.read_block_scales(c.src_blocks))
     for seq in svc.rows:
         for row in (seq.primary[lost], seq.replica[lost]):
             pages = svc.alloc.tables[lost].row(row)
             assert torch.equal(fresh.read_blocks(pages), svc.workers[lost].read_blocks(pages))
+            assert torch.equal(fresh.read_block_scales(pages), svc.workers[lost].read_block_scales(pages))
     layers = _random_layers(cfg, 2, g)
     before = svc.step({a: 1, b: 1}, layers, sinks)
     for s in (a, b):
@@ -257,7 +312,7 @@ def test_config_rejects_bad_fp8_and_window_settings():
         ServiceConfig(kv_cache_dtype="fp8", kv_scales=[[[1.0, 0.0]] * 2] * 2, **geo)
     with pytest.raises(ConfigError, match="sliding_window has 3 entries for 2 layers"):
         ServiceConfig(sliding_window=[4, None, 8], **geo)
-    with pytest.raises(ConfigError, match="sliding_window 0 of layer 1 must be in 1\.\."):
+    with pytest.raises(ConfigError, match=r"sliding_window 0 of layer 1 must be in 1\.\."):
         ServiceConfig(sliding_window=[4, 0], **geo)
     with pytest.raises(ConfigError, match="logits_soft_cap -1.0 of layer 0"):
         ServiceConfig(logits_soft_cap=-1.0, **geo)
@@ -285,25 +340,32 @@ def test_static_scales_are_used_as_given():
             err.add(outs, refs)
     assert 0 < err.value <= ERROR_BOUND["fp8_e4m3"], err.value
     for w in svc.workers:
-        assert torch.equal(w.kv_scales[0], torch.tensor(static))          # never changed by writes
+        assert torch.equal(w.kv_scales[0], torch.tensor(static)[:, None, :].expand_as(w.kv_scales[0]))   # never changed
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
-def test_gpu_backends_say_they_do_not_serve_the_new_features_yet(backend, monkeypatch):
+def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypatch):
+    """TRITON serves fp8, windows and soft caps; FLASHINFER and FLASH_ATTN serve soft caps and say why not the
+    other two (per-page fp8 scales, global-position windows); auto on CUDA then takes TRITON for them."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    geo = dict(head_size=128, dtype=torch.bfloat16, block_size=16, num_q_heads=8, num_kv_heads=2, device="cuda")
-    with pytest.raises(BackendUnavailableError) as info:
-        get_attn_backend(backend, kv_cache_dtype="fp8_e4m3", sliding_window=True, logits_soft_cap=True, **geo)
-    reasons = " | ".join(info.value.reasons[backend])
-    assert f"fp8 KV cache (fp8_e4m3) not implemented for {backend} yet" in reasons
-    assert f"sliding_window not implemented for {backend} yet" in reasons
-    assert f"logits_soft_cap not implemented for {backend} yet" in reasons
-    # The default settings (kv_cache_dtype auto, no window, no cap) add no reason: the GPU kernels stay eligible.
     from cpattn.attention.backend import AttentionSelectorConfig
     from cpattn.attention.registry import load_backend_class
+
+    cls = load_backend_class(backend)
+    everything = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", block_size=16,
+                                         num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0),
+                                         sliding_window=True, logits_soft_cap=True)
+    reasons = " | ".join(cls.validate(everything))
+    assert "logits_soft_cap" not in reasons
+    if backend == "TRITON":
+        assert "fp8" not in reasons and "sliding_window" not in reasons
+        older = AttentionSelectorConfig(**{**everything.__dict__, "device_capability": (8, 0)})
+        assert "fp8_e4m3 KV needs compute capability 8.9 or newer in Triton" in " | ".join(cls.validate(older))
+    else:
+        assert f"fp8 KV cache (fp8_e4m3) is not served by {backend}: " in reasons
+        assert "each carry their own scales" in reasons and "use backend TRITON (CUDA) or TORCH" in reasons
+        assert f"sliding_window is not served by {backend}: " in reasons and "global positions" in reasons
     default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,
                                       num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0))
-    assert not [r for r in load_backend_class(backend).validate(default) if "not implemented" in r]
-    # auto on CUDA still takes TORCH for the new features.
-    assert get_attn_backend("auto", kv_cache_dtype="fp8_e5m2", sliding_window=True, **geo).name == "TORCH"
+    assert not [r for r in cls.validate(default) if "served" in r or "KV needs" in r]

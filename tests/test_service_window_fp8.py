@@ -81,3 +81,57 @@ def test_fp8_cache_with_replicas_survives_a_killed_shard(start_service):
     assert kv_checksums(svc) == pytest.approx(sums, rel=1e-12)
     worst = max(run_step(svc, oracle, request, check=False) for request in ({a: 1, b: 1}, {a: 3, b: 1}))
     assert 0 < worst < 0.3, worst                  # e5m2: 2 mantissa bits; outputs are O(1)
+
+
+def test_fp8_one_clients_outliers_leave_another_clients_outputs_bit_identical(start_service):
+    """Two clients of one fp8_e4m3 service (dynamic scales): client A's probe of a sequence gives bit-identical
+    outputs before and after client B writes a finite K/V element of 1e6 and frees it, including for a sequence
+    A adds afterwards on pages B freed (a page written from its first slot starts afresh). Every layer has a
+    window, so shards holding no key of a query within it send no row for it (ServiceConfig.row_window)."""
+    import cpattn
+    from service_oracle import causal_attention
+
+    svc = start_service(num_shards=3, dtype="float32", kv_cache_dtype="fp8_e4m3", num_blocks_per_shard=6,
+                        num_layers=2, dcp_interleave=4, sliding_window=[12, 3], logits_soft_cap=[None, 5.0])
+    client_b = cpattn.connect(name=svc.config.name, namespace=svc.config.namespace)
+    try:
+        cfg, g = svc.config, torch.Generator().manual_seed(22)
+
+        def qkv(t, big=None):
+            x = [torch.randn(t, h, cfg.head_size, generator=g) for h in (cfg.num_q_heads, cfg.num_kv_heads,
+                                                                         cfg.num_kv_heads)]
+            if big is not None:
+                x[1][t // 2, 0, 3] = x[2][t // 2, 1, 5] = big
+            return x
+
+        prefill = [qkv(21) for _ in range(cfg.num_layers)]
+        probe = [qkv(1) for _ in range(cfg.num_layers)]
+
+        def fill(client, layers):
+            sid = client.add_sequence()
+            with client.step({sid: layers[0][0].shape[0]}) as step:
+                for layer, (q, k, v) in enumerate(layers):
+                    step.attend(layer, q, k, v)
+            return sid
+
+        def probe_outputs(sid):
+            with svc.step({sid: 1}) as step:
+                return [step.attend(layer, q, k, v).clone() for layer, (q, k, v) in enumerate(probe)]
+
+        first = probe_outputs(fill(svc, prefill))
+        for layer, (q, k, v) in enumerate(probe):            # the probe is within the format's bound of float64
+            kk = torch.cat([prefill[layer][1], k]).double()
+            vv = torch.cat([prefill[layer][2], v]).double()
+            ref = causal_attention(q.double(), kk, vv, window=[12, 3][layer], soft_cap=[None, 5.0][layer])
+            assert float((first[layer].double() - ref).norm() / ref.norm()) < 1e-1
+        twin = fill(svc, prefill)                            # same values on other pages, before B writes
+        outlier = fill(client_b, [qkv(21, big=1e6) for _ in range(cfg.num_layers)])
+        with client_b.step({outlier: 1}) as step:            # B's outlier also in a decode step
+            for layer, (q, k, v) in enumerate(qkv(1, big=-1e6) for _ in range(cfg.num_layers)):
+                step.attend(layer, q, k, v)
+        assert all(torch.equal(x, y) for x, y in zip(first, probe_outputs(twin)))
+        client_b.free(outlier)
+        reused = fill(svc, prefill)                          # the pool holds only the pages B freed
+        assert all(torch.equal(x, y) for x, y in zip(first, probe_outputs(reused)))
+    finally:
+        client_b.close()

@@ -17,7 +17,7 @@ from cpattn.attention.merge import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.errors import InvalidRequestError
 from cpattn.kvstore import MultipleOf
-from cpattn.kvstore.fp8 import fp8_format_of, quantize
+from cpattn.kvstore.fp8 import fp8_format_of, quantize, token_scales
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64"}
@@ -79,11 +79,13 @@ class AttentionSpec:
 
 
 def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                   slot_mapping_T: torch.Tensor, kv_scale_2K: torch.Tensor | None = None) -> None:
+                   slot_mapping_T: torch.Tensor, kv_scale_2NK: torch.Tensor | None = None) -> None:
     """Write new K/V into the paged cache at their slots; slots of -1 (other ranks' tokens) are skipped.
 
     Runs before attention so the kernel reads a cache that already holds the step's tokens. An fp8 cache
-    needs ``kv_scale_2K`` ([2, Hk] float32: K and V scale per kv head); values are stored as x / scale.
+    needs ``kv_scale_2NK`` ([2, num_pages, Hk] float32: K and V scale per page and kv head, already grown
+    for this step's values: kvstore.fp8.PageScaleWrites); values are stored as x / their page's scale.
+    The scale pages may be larger than the cache view's pages (a kernel view): a multiple of them.
     """
     keep = slot_mapping_T >= 0
     if not bool(keep.any()):
@@ -92,10 +94,12 @@ def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: tor
     _, num_blocks, block_size, hk, d = kv_cache_2NBKD.shape
     flat = kv_cache_2NBKD.view(2, num_blocks * block_size, hk, d)
     if fp8_format_of(kv_cache_2NBKD.dtype) is not None:
-        if kv_scale_2K is None:
-            raise InvalidRequestError("an fp8 KV cache needs its scales to be written: pass kv_scale_2K [2, Hk]")
-        k_new = quantize(k_TKD[keep], kv_scale_2K[0][:, None], kv_cache_2NBKD.dtype)
-        v_new = quantize(v_TKD[keep], kv_scale_2K[1][:, None], kv_cache_2NBKD.dtype)
+        if kv_scale_2NK is None:
+            raise InvalidRequestError("an fp8 KV cache needs its scales to be written: pass kv_scale_2NK "
+                                      "[2, num_pages, Hk]")
+        scale = token_scales(kv_scale_2NK, slots, block_size * (num_blocks // kv_scale_2NK.shape[1]))
+        k_new = quantize(k_TKD[keep], scale[0][:, :, None], kv_cache_2NBKD.dtype)
+        v_new = quantize(v_TKD[keep], scale[1][:, :, None], kv_cache_2NBKD.dtype)
     else:
         k_new, v_new = k_TKD[keep].to(kv_cache_2NBKD.dtype), v_TKD[keep].to(kv_cache_2NBKD.dtype)
     # index_copy_ has no fp8 kernel on CPU: copy the bytes (same element size) through a uint8 view.
@@ -128,7 +132,8 @@ class AttentionImpl:
                 kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns out [T, Hq, D] (q's dtype) and lse [T, Hq] float32 in the backend's LSE base.
 
-        ``kv_scale`` [2, Hk] float32: the layer's fp8 scales when the cache is fp8 (None otherwise).
+        ``kv_scale`` [2, num_pages, Hk] float32: the layer's per-page fp8 scales when the cache is fp8 (None
+        otherwise); kernel page p uses scale page p // (kernel pages / scale pages).
         The layer's sliding window and soft cap come from the spec (``spec.window(layer)``).
         """
         raise NotImplementedError
@@ -165,6 +170,10 @@ class AttentionBackend:
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    # Why a feature is not served, when a backend can say more than "not implemented yet" (validate's reasons).
+    fp8_unsupported_why: ClassVar[str | None] = None
+    sliding_window_unsupported_why: ClassVar[str | None] = None
+    logits_soft_cap_unsupported_why: ClassVar[str | None] = None
 
     @classmethod
     def get_name(cls) -> str:
@@ -205,17 +214,20 @@ class AttentionBackend:
             reasons.append(f"device {config.device_type} not supported (supports {', '.join(cls.supported_devices)})")
         if config.dtype not in cls.supported_dtypes:
             reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(cls.supported_dtypes)})")
+        elsewhere = "use backend TRITON (CUDA) or TORCH"
         if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             if config.kv_cache_dtype.startswith("fp8"):
-                reasons.append(f"fp8 KV cache ({config.kv_cache_dtype}) not implemented for {cls.name} yet "
-                               "(use backend TORCH, or kv_cache_dtype auto)")
+                why = cls.fp8_unsupported_why or f"not implemented for {cls.name} yet"
+                reasons.append(f"fp8 KV cache ({config.kv_cache_dtype}) {why} ({elsewhere}, or kv_cache_dtype auto)")
             else:
                 reasons.append(f"kv_cache_dtype {config.kv_cache_dtype} not supported "
                                f"(supports {', '.join(cls.supported_kv_cache_dtypes)})")
         if config.sliding_window and not cls.supports_sliding_window:
-            reasons.append(f"sliding_window not implemented for {cls.name} yet (use backend TORCH, or no window)")
+            why = cls.sliding_window_unsupported_why or f"not implemented for {cls.name} yet"
+            reasons.append(f"sliding_window {why} ({elsewhere}, or no window)")
         if config.logits_soft_cap and not cls.supports_logits_soft_cap:
-            reasons.append(f"logits_soft_cap not implemented for {cls.name} yet (use backend TORCH, or no soft cap)")
+            why = cls.logits_soft_cap_unsupported_why or f"not implemented for {cls.name} yet"
+            reasons.append(f"logits_soft_cap {why} ({elsewhere}, or no soft cap)")
         sizes = cls.supported_head_sizes
         if sizes is None:
             if config.head_size % 8 or config.head_size > 256:

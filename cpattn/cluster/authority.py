@@ -71,6 +71,7 @@ SHARD_METHODS: dict[str, Rule] = {
     "mark_ready": Rule(SECRET, "secret"),
     "read_blocks": Rule(SECRET, "secret"),
     "write_blocks": Rule(SECRET, "secret"),
+    "read_block_scales": Rule(SECRET, "secret"),
     "fence": Rule(SECRET, "secret"),
     "drop_client": Rule(SECRET, "secret"),
     "kv_checksum": Rule(SECRET_OR_OPERATOR, "secret"),

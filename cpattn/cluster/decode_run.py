@@ -59,7 +59,7 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
     gathered for the first step serve all (gathering them again was 60% of a run's plan)."""
     tables: dict = {}
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
-                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, tables)
+                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, cfg.row_window(), tables)
             for j, step_id in enumerate(step_ids)]
 
 

@@ -174,12 +174,15 @@ class Gateway(RunControl):
                                        block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
                                        num_kv_heads=cfg.num_kv_heads, device=self.device, **cfg.backend_features())
             try:
-                caches = [open_shared_cache(h, self.device) for h in handles]
+                # Every layer's cache, then (fp8) every layer's page scales: pages belong to one sequence, so this
+                # client growing its pages' scales never touches another client's (cpattn/kvstore/fp8.py).
+                shared = [open_shared_cache(h, self.device) for h in handles]
+                caches, scales = shared[:cfg.num_layers], shared[cfg.num_layers:] or None
             except RuntimeError as exc:
                 raise ServiceError(f"could not open shard {rank}'s KV cache on {self.device} by CUDA IPC ({exc}): "
                                    "run the client where the shard's GPU is visible, or set local_shards='off' "
                                    "to reach every shard over the data plane") from exc
-            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device)
+            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device, scales)
             self.local_graphs[rank] = self.local[rank].new_graphs()
         self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
         self.plane = None
@@ -219,9 +222,6 @@ class Gateway(RunControl):
         # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
         if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
             return []
-        if self.config.kv_cache_dtype != "auto":
-            return []   # fp8 scales live (and grow) in the shard's process; not shared by IPC yet
-
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)
         return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]

@@ -20,7 +20,7 @@ from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
-from cpattn.kvstore.fp8 import dynamic_scales, is_fp8, rescale_cache
+from cpattn.kvstore.fp8 import PageScaleWrites, is_fp8
 from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 
@@ -34,6 +34,8 @@ class PlannedStep:
     pieces: torch.Tensor
     rows: torch.Tensor | None
     """(R,) int64 on the device, None = all T rows."""
+    scale_writes: PageScaleWrites | None = None
+    """Dynamic fp8 scales: the pages this step writes (grown per layer before the write)."""
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
@@ -52,7 +54,8 @@ class ShardLayerRunner:
         self.kv_caches = kv_caches
         self.kv_format = config.kv_cache_format if is_fp8(config.kv_cache_format) else None
         self.kv_scales = kv_scales
-        """fp8 caches: per layer [2, Hk] float32 scales (owned by the shard; dynamic ones grow on write)."""
+        """fp8 caches: per layer [2, num_blocks, Hk] float32 page scales (owned by the shard; dynamic ones grow
+        on write, page by page: cpattn/kvstore/fp8.py)."""
         if self.kv_format is not None and kv_scales is None:
             raise CpattnError(f"an {self.kv_format} KV cache needs its scales: pass kv_scales")
         self.device = device
@@ -84,7 +87,11 @@ class ShardLayerRunner:
         rows = None if plan.rows is None else plan.rows.to(self.device)
         if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows):
             graphs = None
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, graphs)
+        scale_writes = None
+        if self.kv_format is not None and self.config.kv_scales is None:
+            slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
+            scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, graphs)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +104,9 @@ class ShardLayerRunner:
         scale = None
         if self.kv_format is not None:
             scale = self.kv_scales[layer]
-            if self.config.kv_scales is None:
-                # Dynamic scales: every shard sees the whole step's K/V, so all compute the same growth.
-                grown = dynamic_scales(scale, k_TKD, v_TKD, self.kv_format)
-                rescale_cache(self.kv_caches[layer], scale, grown)
-                scale.copy_(grown)
+            if step.scale_writes is not None:
+                # Dynamic scales, page by page: a page's scale depends only on the tokens written into it.
+                step.scale_writes.grow(self.kv_caches[layer], scale, k_TKD, v_TKD, self.kv_format)
         if step.replica_slots is not None:
             write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots, scale)
         kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)

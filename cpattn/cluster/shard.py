@@ -27,7 +27,7 @@ from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
-from cpattn.kvstore.fp8 import dequantize, dynamic_scales, fp8_dtype, initial_scales, is_fp8, quantize, rescale_cache
+from cpattn.kvstore.fp8 import PageScaleWrites, dequantize, fp8_dtype, initial_page_scales, is_fp8, page_scales_of, quantize
 
 logger = logging.getLogger("cpattn.shard")
 
@@ -99,10 +99,12 @@ class ShardWorker:
         self.cache_dtype = fp8_dtype(self.kv_format) if self.kv_format else self.dtype
         self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
                           for _ in range(config.num_layers)]
-        # fp8: [2, Hk] float32 scales per layer (static from the config, or dynamic: 0 until the first write).
+        # fp8: [2, num_blocks, Hk] float32 page scales per layer (static from the config on every page, or
+        # dynamic: 0 until a write into the page; cpattn/kvstore/fp8.py).
         self.kv_scales = None if self.kv_format is None else [
-            initial_scales(config.num_kv_heads, None if config.kv_scales is None else config.kv_scales[layer],
-                           self.device) for layer in range(config.num_layers)]
+            initial_page_scales(self.num_blocks, config.num_kv_heads,
+                                None if config.kv_scales is None else config.kv_scales[layer], self.device)
+            for layer in range(config.num_layers)]
         self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales)
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
@@ -174,19 +176,28 @@ class ShardWorker:
         dequantised values, so a replacement holding the same values under other scales sums the same)."""
         if self.kv_scales is None:
             return float(sum(t.double().abs().sum() for t in self.kv_caches))
-        return float(sum(dequantize(t, s[:, None, None, :, None], torch.float64).abs().sum()
+        return float(sum(dequantize(t, s[:, :, None, :, None], torch.float64).abs().sum()
                          for t, s in zip(self.kv_caches, self.kv_scales)))
 
     def get_kv_scales(self, secret: str | None = None) -> list[list[list[float]]] | None:
-        """fp8 caches: every layer's [2, Hk] scales (identical on every shard: see cpattn/kvstore/fp8.py)."""
-        return None if self.kv_scales is None else [s.tolist() for s in self.kv_scales]
+        """fp8 caches: every layer's [2, Hk] largest page scale (a summary; read_block_scales has the pages')."""
+        return None if self.kv_scales is None else [s.amax(dim=1).tolist() for s in self.kv_scales]
+
+    def read_block_scales(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor | None:
+        """fp8 caches: the pages' scales [num_layers, 2, n, Hk] float32 on the CPU (None for other caches), so a
+        copy made with read_blocks + write_blocks holds exactly the source's bytes and scales."""
+        if self.kv_scales is None:
+            return None
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return torch.stack([s.index_select(1, idx) for s in self.kv_scales]).cpu()
 
     def mark_ready(self, secret: str | None = None) -> None:
         """The coordinator finished refilling this replacement: it may serve now."""
         self._ready = True
 
     def export_kv(self, group_name: str, ticket: str | None = None) -> list[tuple]:
-        """CUDA IPC handles of every layer's KV cache, for a client on this GPU to open once per connection.
+        """CUDA IPC handles of every layer's KV cache (and an fp8 cache's page scales), for a client on this GPU to
+        open once per connection.
 
         Such a client computes this shard's share in its own process (no per-layer hand-over between
         two processes on one GPU, which costs a context switch each way); the caches stay owned here.
@@ -199,7 +210,8 @@ class ShardWorker:
             raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return [reduce_tensor(t)[1] for t in self.kv_caches]
+        # fp8: the page scales too (after the caches), which the client grows as it writes its pages.
+        return [reduce_tensor(t)[1] for t in self.kv_caches + (self.kv_scales or [])]
 
     def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
         """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer).
@@ -207,10 +219,14 @@ class ShardWorker:
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         if self.kv_scales is None:
             return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
-        return torch.stack([dequantize(t[:, idx], s[:, None, None, :, None], torch.float32)
+        return torch.stack([dequantize(t[:, idx], s.index_select(1, idx)[:, :, None, :, None], torch.float32)
                             for t, s in zip(self.kv_caches, self.kv_scales)]).cpu()
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None) -> None:
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None,
+                     scales: torch.Tensor | None = None) -> None:
+        """Pages [num_layers, 2, n, B, Hk, D] of real values into ``block_ids``. An fp8 cache takes the pages'
+        ``scales`` (read_block_scales of the source: the copy is then exact, bytes and scales); without them
+        dynamic scales are computed from the pages as if written afresh, static ones are the config's."""
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         for layer, t in enumerate(self.kv_caches):
             if self.kv_scales is None:
@@ -218,13 +234,11 @@ class ShardWorker:
                 continue
             pages = data[layer].to(self.device, torch.float32)             # [2, n, B, Hk, D] real values
             scale = self.kv_scales[layer]
-            if self.config.kv_scales is None:
-                # Dynamic: grow to cover the copied pages (powers of two, so the copy is exact; fp8.py).
-                flat = pages.reshape(2, -1, pages.shape[-2], pages.shape[-1])
-                grown = dynamic_scales(scale, flat[0], flat[1], self.kv_format)
-                rescale_cache(t, scale, grown)
-                scale.copy_(grown)
-            t[:, idx] = quantize(pages, scale[:, None, None, :, None], t.dtype)
+            if scales is not None:
+                scale.index_copy_(1, idx, scales[layer].to(self.device, torch.float32))
+            elif self.config.kv_scales is None:
+                scale.index_copy_(1, idx, page_scales_of(pages, self.kv_format))
+            t[:, idx] = quantize(pages, scale.index_select(1, idx)[:, :, None, :, None], t.dtype)
 
     def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
         """Write seeded random K/V for the plan's new tokens this shard owns (benchmarks, load tests).
@@ -248,9 +262,10 @@ class ShardWorker:
                     if self.kv_scales is not None:
                         scale = self.kv_scales[layer]
                         if self.config.kv_scales is None:
-                            grown = dynamic_scales(scale, k, v, self.kv_format)
-                            rescale_cache(cache, scale, grown)
-                            scale.copy_(grown)
+                            chunk = [a[start:start + n] for a in (plan.metadata.slot_mapping,
+                                                                  plan.replica_slot_mapping) if a is not None]
+                            PageScaleWrites(chunk, self.config.block_size, self.device).grow(
+                                cache, scale, k, v, self.kv_format)
                     for chunk_slots in (slots, replica):
                         if chunk_slots is not None:
                             write_kv_cache(cache, k, v, chunk_slots[start:start + n], scale)

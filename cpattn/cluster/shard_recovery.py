@@ -91,8 +91,10 @@ class ShardRecovery:
             else:
                 self.table.drop_on(rank, why)
         for copy in copies or []:
-            pages = self.shard_set.handles[copy.src].read_blocks.remote(copy.src_blocks, secret)
-            ray.get(new.write_blocks.remote(copy.dst_blocks, pages, secret), timeout=cfg.rpc_timeout_s)
+            src = self.shard_set.handles[copy.src]
+            pages = src.read_blocks.remote(copy.src_blocks, secret)
+            scales = src.read_block_scales.remote(copy.src_blocks, secret)     # fp8: the pages' own scales
+            ray.get(new.write_blocks.remote(copy.dst_blocks, pages, secret, scales=scales), timeout=cfg.rpc_timeout_s)
         ray.get(new.mark_ready.remote(secret), timeout=cfg.rpc_timeout_s)
         with self._lock:
             self.shard_set.install(rank, new, info)

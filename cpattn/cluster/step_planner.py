@@ -48,10 +48,13 @@ class StepRequest:
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
-              auth: str | None = None, tables: dict | None = None) -> list[ShardStepPlan]:
+              auth: str | None = None, row_window: int | None = None,
+              tables: dict | None = None) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
-    secret the plans carry (a shard runs only plans of its coordinator). ``tables``: block tables gathered by
-    an earlier plan of the same sequences and pages (a decode run's steps), reused instead of gathered again."""
+    secret the plans carry (a shard runs only plans of its coordinator). ``row_window``: every layer's window
+    is at most this (ServiceConfig.row_window): a rank computes and sends no row for a query it holds no key of
+    within it. ``tables``: block tables gathered by an earlier plan of the same sequences and pages (a decode
+    run's steps), reused instead of gathered again."""
     tables = {} if tables is None else tables
 
     def gather(rank: int, replica: bool) -> torch.Tensor:
@@ -79,7 +82,8 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
                                                       n, owner, allocator.interleave).slot_mapping
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
                                    causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
-                                   rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank]),
+                                   rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank],
+                                                      md.window_key_start(row_window)),
                                    incarnation=incarnation, auth=auth))
     return plans
 
@@ -92,10 +96,11 @@ def for_client(plan: ShardStepPlan) -> ShardStepPlan:
     return dataclasses.replace(plan, auth=None, metadata=md)
 
 
-def computed_rows(query_lens_B: torch.Tensor, local_context_B: torch.Tensor,
-                  pieces_P3: torch.Tensor) -> torch.Tensor | None:
-    """Rows with any key on this rank: requests with local context, plus its causal pieces; None = all."""
-    mask_T = (local_context_B > 0).repeat_interleave(query_lens_B)
+def computed_rows(query_lens_B: torch.Tensor, local_context_B: torch.Tensor, pieces_P3: torch.Tensor,
+                  key_start_T: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows with any key on this rank: requests with local context (from ``key_start_T``, each query's first
+    local key in a window every layer shares, on), plus its causal pieces; None = all."""
+    mask_T = local_context_B.repeat_interleave(query_lens_B) > (0 if key_start_T is None else key_start_T)
     for q_start, q_end, _ in pieces_P3.tolist():
         mask_T[q_start:q_end] = True
     if bool(mask_T.all()):

@@ -11,14 +11,17 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _service(graphs: str, replicas: int):
+def _service(graphs: str, replicas: int, windows: bool = False):
     from cpattn.config import ServiceConfig
     from test_fp8_kv_cache import InProcessService
 
     cfg = ServiceConfig(num_shards=3, num_layers=3, num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                         dtype="bfloat16", backend="TRITON", device="cuda", num_gpus_per_shard=0.25,
                         num_blocks_per_shard=512, dcp_interleave=16, kv_replicas=replicas, cuda_graphs=graphs,
-                        pcp_min_tokens=64)
+                        pcp_min_tokens=64,
+                        # windows (global positions, planned per step into the graphs' buffers) and a soft cap
+                        sliding_window=[None, 300, 64] if windows else None,
+                        logits_soft_cap=[None, 20.0, None] if windows else None)
 
     class Graphed(InProcessService):
         def __init__(self, cfg):
@@ -48,13 +51,13 @@ def _service(graphs: str, replicas: int):
     return cfg, Graphed(cfg)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_graphed_decode_matches_eager_and_float64(replicas):
+@pytest.mark.parametrize("replicas, windows", [(1, False), (2, False), (1, True)])
+def test_graphed_decode_matches_eager_and_float64(replicas, windows):
     from test_fp8_kv_cache import _oracle
 
     g = torch.Generator().manual_seed(7 + replicas)
-    cfg, graphed = _service("auto", replicas)
-    _, eager = _service("off", replicas)
+    cfg, graphed = _service("auto", replicas, windows)
+    _, eager = _service("off", replicas, windows)
     assert graphed.graphs[0] is not None and eager.graphs[0] is None
     seqs = [graphed.add() for _ in range(3)]
     for _ in seqs:

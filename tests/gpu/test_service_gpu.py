@@ -55,3 +55,43 @@ def test_service_on_one_gpu_matches_reference(ray_session, backend, interleave):
             oracle.commit(pending)
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "auto"])
+def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave):
+    """TRITON through the service on one GPU (4 shards, the client computing them in-process over CUDA IPC, fp8
+    page scales included): an fp8 or bf16 cache, a full layer with sinks and a windowed, soft-capped layer, PCP
+    prefill, chunked prefill and decodes, vs the float64 oracle (bf16 rel < 2e-2, fp8 e4m3 < 1e-1)."""
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle
+
+    cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64,
+                         kv_cache_dtype=kv, sliding_window=[None, 100], logits_soft_cap=[None, 30.0])
+    svc = cpattn.start(cfg)
+    try:
+        assert {s["backend"] for s in svc.info()["shards"]} == {"TRITON"}
+        assert sorted(svc.gateway.local) == [0, 1, 2, 3]          # fp8 caches open in-process like bf16 ones
+        oracle = Oracle(cfg, seed=5)
+        oracle.sinks = {0: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
+        bound = 1e-1 if kv.startswith("fp8") else 2e-2
+        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
+        for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
+            t = sum(request.values())
+            pending = {}
+            with svc.step(request) as step:
+                for layer in range(cfg.num_layers):
+                    q, k, v = oracle.random_qkv(t)
+                    sinks = oracle.sinks.get(layer)
+                    extra = {} if sinks is None else {"sinks": sinks.float().cuda()}
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda(), **extra)
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert rel < bound, f"{kv} I={interleave} layer {layer} {request}: relative error {rel:.2e}"
+                    pending.update(new_kv)
+            oracle.commit(pending)
+    finally:
+        svc.shutdown()

@@ -65,9 +65,12 @@ def generation_reasons(gen: str, config: AttentionSelectorConfig) -> list[str]:
     """Why ``gen`` cannot serve ``config`` ([] when it can)."""
     reasons = []
     try:
-        _import_generation(gen)
+        fn = _import_generation(gen)
     except Exception as exc:   # a broken install raises more than ImportError
         reasons.append(f"not installed ({type(exc).__name__}: {exc})")
+    else:
+        if config.logits_soft_cap and not _takes(fn, "softcap"):
+            reasons.append(f"{_package_version(gen)} has no softcap argument (flash-attn >= 2.6 has)")
     cap = config.device_capability
     if cap is not None:
         if gen == "FA4" and cap[0] not in (9, 10, 11):
@@ -81,6 +84,17 @@ def generation_reasons(gen: str, config: AttentionSelectorConfig) -> list[str]:
     if config.head_size % 8 or config.head_size > 256:
         reasons.append(f"head_size {config.head_size} not supported (multiple of 8, at most 256)")
     return reasons
+
+
+def _takes(fn, argument: str) -> bool:
+    """``fn`` accepts ``argument`` by name (or its signature cannot be read: let the call decide)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return argument in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def select_generation(config: AttentionSelectorConfig) -> tuple[str | None, dict[str, list[str]]]:
@@ -102,7 +116,8 @@ def _config_of(spec) -> AttentionSelectorConfig:
     return AttentionSelectorConfig(head_size=spec.head_size, dtype=DTYPE_NAMES.get(spec.dtype, str(spec.dtype)),
                                    kv_cache_dtype="auto", block_size=spec.block_size,
                                    num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
-                                   device_type=dev.type, device_capability=cap)
+                                   device_type=dev.type, device_capability=cap,
+                                   logits_soft_cap=any(c is not None for c in spec.logits_soft_caps))
 
 
 @dataclass
@@ -164,20 +179,22 @@ class FlashAttentionImpl(AttentionImpl):
         logger.info("FLASH_ATTN runs %s (%s)", gen, _package_version(gen))
 
     def _call(self, q, k, v, *, cu_seqlens_q, max_q, causal, seqused_k=None, cu_seqlens_k=None, max_k=None,
-              page_table=None):
-        """One varlen call in whatever form this generation takes; returns (out [T,Q,D], lse [Q,T])."""
+              page_table=None, soft_cap=None):
+        """One varlen call in whatever form this generation takes; returns (out [T,Q,D], lse [Q,T]).
+        ``soft_cap``: every generation's ``softcap`` (scaled logits s -> cap * tanh(s / cap))."""
         scale = self.spec.scale
+        cap = {} if soft_cap is None else {"softcap": soft_cap}
         if self.generation == "FA4":
             res = self._fn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
                            max_seqlen_k=max_k, seqused_k=seqused_k, page_table=page_table, softmax_scale=scale,
-                           causal=causal, return_lse=True)
+                           causal=causal, return_lse=True, **cap)
         elif self.generation == "FA3":
             res = self._fn(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_q,
                            max_seqlen_k=max_k, seqused_k=seqused_k, page_table=page_table, softmax_scale=scale,
-                           causal=causal, return_attn_probs=True)
+                           causal=causal, return_attn_probs=True, **cap)
         else:
             res = self._fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale, causal=causal,
-                           return_attn_probs=True, block_table=page_table)
+                           return_attn_probs=True, block_table=page_table, **cap)
         return res[0], res[1]
 
     def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
@@ -185,14 +202,15 @@ class FlashAttentionImpl(AttentionImpl):
         if md.has_writes:
             write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        cap = self.spec.soft_cap(layer)
         if self.generation == "FA2":
             out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
                                      causal=md.causal, cu_seqlens_k=md.cu_seqlens_k, max_k=md.max_seq_len,
-                                     page_table=md.page_table)
+                                     page_table=md.page_table, soft_cap=cap)
         else:
             out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
                                      causal=md.causal, seqused_k=md.seqused_k, max_k=md.max_seq_len,
-                                     page_table=md.page_table)
+                                     page_table=md.page_table, soft_cap=cap)
         lse = _to_TQ(lse_QT, q_TQD.shape[0])
         if md.empty_rows is not None:
             out = out.masked_fill(md.empty_rows[:, None, None], 0.0)
@@ -224,7 +242,8 @@ class FlashAttentionImpl(AttentionImpl):
         k = k_TKD if contiguous else k_TKD.index_select(0, k_rows)
         v = v_TKD if contiguous else v_TKD.index_select(0, k_rows)
         o, l_QT = self._call(q, k, v, cu_seqlens_q=cu_q.to(dev, non_blocking=True), max_q=int(q_lens.max()), causal=True,
-                             cu_seqlens_k=cu_k.to(dev, non_blocking=True), max_k=int(k_lens.max()))
+                             cu_seqlens_k=cu_k.to(dev, non_blocking=True), max_k=int(k_lens.max()),
+                             soft_cap=self.spec.soft_cap(layer))
         if contiguous:
             return o, _to_TQ(l_QT, t)
         out.index_copy_(0, q_rows, o)
@@ -253,6 +272,12 @@ class FlashAttentionBackend(AttentionBackend):
     can_return_lse = True
     supports_pcp = True
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    supports_logits_soft_cap = True          # every generation's softcap argument
+    fp8_unsupported_why = ("is not served by FLASH_ATTN: FA4 has no fp8 KV and FA3's takes one descale per "
+                           "sequence and kv head, while cpattn's fp8 pages each carry their own scales")
+    sliding_window_unsupported_why = (
+        "is not served by FLASH_ATTN: its window_size is one key count per call, and a window on global "
+        "positions covers a different number of a DCP shard's interleaved local keys for every query")
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):

@@ -5,7 +5,7 @@ plan() once per step, run() per layer: the builder turns the block table into Fl
 table (``paged_kv_indptr / indices / last_page_len``), moves decodes (one query) before prefills
 with one permutation (``batch_split``), and plans a BatchDecode wrapper on the decode prefix and a
 BatchPrefill wrapper (causal as the metadata says; FlashInfer aligns the mask bottom-right) on the
-rest. Requests with no readable key (a DCP shard that holds none of a sequence yet) are left out
+rest, once per soft cap some layer uses (the cap is a plan() argument). Requests with no readable key (a DCP shard that holds none of a sequence yet) are left out
 of both plans: their rows are out 0, lse -inf. The impl permutes q, runs both wrappers with
 ``return_lse`` and writes the outputs back in request order.
 
@@ -50,27 +50,33 @@ class FlashInferMetadata:
     """(Ta,) int64, device: planned token j is step token token_order[j]; None = identity over all T."""
     num_decode_tokens: int
     num_prefill_tokens: int
-    decode_wrapper: Any
-    prefill_wrapper: Any
+    decode_wrapper: dict
+    """Soft cap (None = none) -> the decode wrapper planned with it, for every cap some layer uses; {} = none."""
+    prefill_wrapper: dict
+    """Soft cap -> the prefill wrapper planned with it; {} = no prefill."""
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
-    """Owns the two wrappers (their int workspaces and pinned buffers live across steps)."""
+    """Owns the wrappers, two per soft cap some layer uses (FlashInfer takes the cap in plan(); their int
+    workspaces and pinned buffers live across steps)."""
 
     def __init__(self, spec):
         super().__init__(spec)
-        self._decode = None
-        self._prefill = None
+        self._by_cap: dict = {}
 
-    def _wrappers(self):
+    def _caps(self) -> list:
+        caps = set(self.spec.logits_soft_caps) or {None}
+        return sorted(caps, key=lambda c: -1.0 if c is None else c)
+
+    def _wrappers(self, cap):
         import flashinfer
 
-        if self._decode is None:
+        if cap not in self._by_cap:
             dev = torch.device(self.spec.device)
             ws = _workspace(dev)
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
-            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD")
-        return self._decode, self._prefill
+            self._by_cap[cap] = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD"),
+                                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD"))
+        return self._by_cap[cap]
 
     def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> FlashInferMetadata:
         spec = self.spec
@@ -102,22 +108,28 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         indices = indices.to(torch.int32)
         i32 = torch.int32
 
-        decode, prefill = self._wrappers()
         nd, ndt = split.num_decodes, split.num_decode_tokens
-        common_kwargs = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
-        if nd:
-            decode.plan(indptr[:nd + 1].to(i32), indices[:int(indptr[nd])], last_page_len[:nd].to(i32),
-                        spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps, **common_kwargs)
-        if split.num_prefills:
-            p_indptr = indptr[nd:] - indptr[nd]
-            prefill.plan(split.prefill_qo_indptr.to(i32), p_indptr.to(i32), indices[int(indptr[nd]):],
-                         last_page_len[nd:].to(i32), spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps,
-                         causal=common.causal, **common_kwargs)
+        decodes, prefills = {}, {}
+        for cap in self._caps():
+            decode, prefill = self._wrappers(cap)
+            common_kwargs = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+            if cap is not None:
+                common_kwargs["logits_soft_cap"] = cap         # s -> cap * tanh(s / cap), the scaled logits
+            if nd:
+                decode.plan(indptr[:nd + 1].to(i32), indices[:int(indptr[nd])], last_page_len[:nd].to(i32),
+                            spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps, **common_kwargs)
+                decodes[cap] = decode
+            if split.num_prefills:
+                p_indptr = indptr[nd:] - indptr[nd]
+                prefill.plan(split.prefill_qo_indptr.to(i32), p_indptr.to(i32), indices[int(indptr[nd]):],
+                             last_page_len[nd:].to(i32), spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps,
+                             causal=common.causal, **common_kwargs)
+                prefills[cap] = prefill
         return FlashInferMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             token_order=None if identity else token_order.to(dev, non_blocking=True),
             num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens,
-            decode_wrapper=decode if nd else None, prefill_wrapper=prefill if split.num_prefills else None)
+            decode_wrapper=decodes, prefill_wrapper=prefills)
 
 
 class FlashInferImpl(AttentionImpl):
@@ -127,13 +139,14 @@ class FlashInferImpl(AttentionImpl):
         paged = (kv_cache[0], kv_cache[1])
         q = q_TQD if md.token_order is None else q_TQD.index_select(0, md.token_order)
         ndt = md.num_decode_tokens
+        cap = self.spec.soft_cap(layer)
         outs, lses = [], []
-        if md.decode_wrapper is not None:
-            o, l = md.decode_wrapper.run(q[:ndt], paged, return_lse=True)
+        if md.decode_wrapper:
+            o, l = md.decode_wrapper[cap].run(q[:ndt], paged, return_lse=True)
             outs.append(o)
             lses.append(l)
-        if md.prefill_wrapper is not None:
-            o, l = md.prefill_wrapper.run(q[ndt:], paged, return_lse=True)
+        if md.prefill_wrapper:
+            o, l = md.prefill_wrapper[cap].run(q[ndt:], paged, return_lse=True)
             outs.append(o)
             lses.append(l)
         if md.token_order is None:
@@ -157,7 +170,8 @@ class FlashInferImpl(AttentionImpl):
             except ImportError:
                 pass
             else:
-                return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
+                return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size,
+                                            self.spec.window(layer), self.spec.soft_cap(layer))
         return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
 
 
@@ -173,6 +187,12 @@ class FlashInferBackend(AttentionBackend):
     can_return_lse = True
     supports_pcp = True
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    supports_logits_soft_cap = True          # plan(logits_soft_cap=): one plan per cap some layer uses
+    fp8_unsupported_why = ("is not served by FLASHINFER: its fp8 KV takes one k_scale / v_scale per call, and "
+                           "cpattn's fp8 pages each carry their own scales (so no tenant can change another's)")
+    sliding_window_unsupported_why = (
+        "is not served by FLASHINFER: its window_left is one key count per plan, and a window on global "
+        "positions covers a different number of a DCP shard's interleaved local keys for every query")
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):

@@ -112,12 +112,13 @@ def ragged_causal_attention(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: tor
 
 
 def gather_request_kv(kv_cache_2NBKD: torch.Tensor, block_row: torch.Tensor, seq_len: int,
-                      first_key: int = 0, kv_scale_2K: torch.Tensor | None = None,
+                      first_key: int = 0, kv_scale_2NK: torch.Tensor | None = None,
                       compute: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [L, K, D] of one request's keys [first_key', seq_len), read page by page through its
     block-table row, where first_key' = first_key rounded down to its page start (pages before it are not
     read, so a sliding window reads only its own pages); the first returned key is local key first_key'.
-    An fp8 cache (``kv_scale_2K`` given) is dequantised to ``compute``.
+    An fp8 cache (``kv_scale_2NK`` [2, scale pages, Hk] given) is dequantised to ``compute``, each page with
+    its own scales.
     """
     _, _, block_size, hk, d = kv_cache_2NBKD.shape
     num_pages = (seq_len + block_size - 1) // block_size
@@ -127,11 +128,12 @@ def gather_request_kv(kv_cache_2NBKD: torch.Tensor, block_row: torch.Tensor, seq
         raise ValueError(f"block-table row has padding within its first {num_pages} pages: "
                          f"{block_row[:num_pages].tolist()}")
     n = seq_len - first_page * block_size
-    k = kv_cache_2NBKD[0, pages].reshape(-1, hk, d)[:n]
-    v = kv_cache_2NBKD[1, pages].reshape(-1, hk, d)[:n]
-    if kv_scale_2K is not None:
-        k = dequantize(k, kv_scale_2K[0][:, None], compute)
-        v = dequantize(v, kv_scale_2K[1][:, None], compute)
+    if kv_scale_2NK is None:
+        return kv_cache_2NBKD[0, pages].reshape(-1, hk, d)[:n], kv_cache_2NBKD[1, pages].reshape(-1, hk, d)[:n]
+    per_scale_page = kv_cache_2NBKD.shape[1] // kv_scale_2NK.shape[1]      # kernel pages per scale page
+    s = kv_scale_2NK.index_select(1, pages // per_scale_page)[:, :, None, :, None]   # [2, P, 1, Hk, 1]
+    k = dequantize(kv_cache_2NBKD[0, pages], s[0], compute).reshape(-1, hk, d)[:n]
+    v = dequantize(kv_cache_2NBKD[1, pages], s[1], compute).reshape(-1, hk, d)[:n]
     return k, v
 
 

@@ -52,6 +52,9 @@ class TritonAttentionMetadata:
     req_kv0: torch.Tensor
     """(B,) int32 zeros (paged keys start at page 0)."""
     causal: bool
+    window_starts: dict = dataclasses.field(default_factory=dict)
+    """Sliding window W -> (key_start (T,) int32 by token row, key_start of each decode (Td,) int32, S of the
+    decodes under that window): first visible local key per query (CommonAttentionMetadata.window_key_start)."""
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -72,6 +75,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                   if dec and max(dec_kv) > 0 else 1)
         block_m = tk.prefill_block_sizes(self.spec.head_size)[0]
         tiles = tk.make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
+        window_starts = {}
+        for w in sorted({w for w in self.spec.sliding_windows if w is not None}):
+            starts = common.window_key_start(w)
+            dec_starts = starts[[qsl[r] for r in dec]]
+            in_window = [max(0, kv - int(st)) for kv, st in zip(dec_kv, dec_starts.tolist())]
+            w_splits = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(in_window), dev)
+                        if dec and max(in_window) > 0 else 1)
+            window_starts[w] = (starts.to(torch.int32).to(dev, non_blocking=True),
+                                dec_starts.to(torch.int32).to(dev, non_blocking=True), w_splits)
         return TritonAttentionMetadata(
             num_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
@@ -85,26 +97,31 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             req_seq=torch.tensor(seq, **i32).to(dev, non_blocking=True),
             req_qlen=torch.tensor(q_lens, **i32).to(dev, non_blocking=True),
             req_kv0=torch.zeros(common.num_reqs, **i32, device=dev),
-            causal=common.causal)
+            causal=common.causal, window_starts=window_starts)
 
 
     # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
-    def graph_key(self, md: TritonAttentionMetadata) -> tuple[int, int, int] | None:
-        """(T, S, block-table width bucket) of a decode-only step, whose launches depend on nothing else;
+    def graph_key(self, md: TritonAttentionMetadata) -> tuple | None:
+        """(T, S (with each window's S), block-table width bucket) of a decode-only step, whose launches depend on
+        nothing else;
         None when the step cannot replay a captured graph (prefill tiles are planned per step)."""
         if not md.decode_only or md.num_tokens == 0:
             return None
         width = md.block_table.shape[1]
-        return md.num_tokens, md.num_splits, max(64, 1 << (width - 1).bit_length())
+        splits = md.num_splits
+        if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)
+            splits = (splits,) + tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
+        return md.num_tokens, splits, max(64, 1 << (width - 1).bit_length())
 
-    def make_static(self, md: TritonAttentionMetadata, key: tuple[int, int, int]) -> TritonAttentionMetadata:
+    def make_static(self, md: TritonAttentionMetadata, key: tuple) -> TritonAttentionMetadata:
         """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
         t, _, width = key
         dev = md.block_table.device
         return dataclasses.replace(
             md, has_writes=True, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
             block_table=torch.zeros(t, width, dtype=torch.int64, device=dev), dec_tok=md.dec_tok.clone(),
-            dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone())
+            dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone(),
+            window_starts={w: (a.clone(), b.clone(), n) for w, (a, b, n) in md.window_starts.items()})
 
     def refill(self, static: TritonAttentionMetadata, md: TritonAttentionMetadata) -> None:
         """This step's values into the graph's buffers. Columns past the step's width keep stale page ids:
@@ -112,53 +129,70 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         static.slot_mapping.copy_(md.slot_mapping)
         static.block_table[:, :md.block_table.shape[1]].copy_(md.block_table)
         static.dec_kv_len.copy_(md.dec_kv_len)
+        for w, (tok_starts, dec_starts, _) in md.window_starts.items():
+            static.window_starts[w][0].copy_(tok_starts)
+            static.window_starts[w][1].copy_(dec_starts)
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata, kv_scale=None):
         from cpattn.attention.backends import triton_kernels as tk
 
         md: TritonAttentionMetadata = attn_metadata
         if md.has_writes:
-            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping, kv_scale)
         t, hq, d = q_TQD.shape
         out = torch.empty(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
         lse = torch.empty(t, hq, dtype=torch.float32, device=q_TQD.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        window, cap = self.spec.window(layer), self.spec.soft_cap(layer)
+        tok_starts, dec_starts, splits = None, None, md.num_splits
+        if window is not None:
+            tok_starts, dec_starts, splits = md.window_starts[window]
+        features = dict(kv_scale=kv_scale, soft_cap=cap)
         tk.paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
-                        md.num_splits, self.spec.scale, out, lse, all_rows=md.decode_only)
+                        splits, self.spec.scale, out, lse, all_rows=md.decode_only, key_start=dec_starts, **features)
         tk.prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
-                   md.causal, self.spec.scale, out, lse)
+                   md.causal, self.spec.scale, out, lse, key_start=tok_starts, **features)
         return out, lse
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
-        if not q_TQD.is_cuda:
+        if not q_TQD.is_cuda and not _interpreting():
             return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
-        return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size)
+        return triton_ragged_causal(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale, self.spec.head_size,
+                                    self.spec.window(layer), self.spec.soft_cap(layer))
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1: the kernels run on the CPU (tests of the kernels without a GPU)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def write_kv_cache_fast(kv_cache: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                        slot_mapping_T: torch.Tensor, kv_scale_2K: torch.Tensor | None = None) -> None:
+                        slot_mapping_T: torch.Tensor, kv_scale_2NK: torch.Tensor | None = None) -> None:
     """The KV update before attention: a Triton scatter on CUDA (no host sync), torch elsewhere.
-    An fp8 cache (``kv_scale_2K`` given) is written by the torch path, which quantises."""
-    if kv_scale_2K is not None:
-        write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2K)
-        return
-    if kv_cache.is_cuda:
+    An fp8 cache (``kv_scale_2NK`` [2, pages, Hk], its per-page scales) is quantised by the same rule on both
+    paths (kvstore.fp8.quantize)."""
+    # (Triton's interpreter rounds float32 -> fp8 differently from the GPU and torch: fp8 writes stay in torch there.)
+    if kv_cache.is_cuda or (_interpreting() and kv_scale_2NK is None):
         try:
             from cpattn.attention.backends import triton_kernels as tk
         except ImportError:
             pass
         else:
-            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
             return
-    write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T)
+    write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
 
 
 def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, pieces_P3: torch.Tensor,
-                         scale: float, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, head_size: int, window: int | None = None,
+                         soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention among new tokens by pieces (q_start, q_end, k_start) with the prefill kernel;
-    rows no piece covers get out 0, lse -inf. Natural-log LSE [T, Q] float32."""
+    rows no piece covers get out 0, lse -inf. Natural-log LSE [T, Q] float32. A piece's tokens are consecutive
+    positions, so a sliding window is relative: query i sees keys i - window < j <= i."""
     from cpattn.attention.backends import triton_kernels as tk
 
     t, hq, d = q_TQD.shape
@@ -167,6 +201,8 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
         g = hq // k_TKD.shape[1]
         k_rep = k_TKD.repeat_interleave(g, dim=1)
         lse = (q_TQD.float() * k_rep.float()).sum(-1) * scale
+        if soft_cap is not None:
+            lse = soft_cap * torch.tanh(lse / soft_cap)
         return v_TKD.repeat_interleave(g, dim=1).to(q_TQD.dtype), lse
     out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
     lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
@@ -181,7 +217,14 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     req_seq = torch.tensor([qe - ks for _, qe, ks in pieces], **i32).to(dev, non_blocking=True)
     req_qlen = torch.tensor([qe - qs for qs, qe, _ in pieces], **i32).to(dev, non_blocking=True)
     req_kv0 = torch.tensor([ks for _, _, ks in pieces], **i32).to(dev, non_blocking=True)
-    tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse)
+    key_start = None
+    if window is not None:
+        starts = torch.zeros(t, dtype=torch.int64)
+        for qs, qe, ks in pieces:                      # counted from the piece's first key
+            starts[qs:qe] = (torch.arange(qs, qe) - window + 1 - ks).clamp(min=0)
+        key_start = starts.to(torch.int32).to(dev, non_blocking=True)
+    tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse,
+               key_start=key_start, soft_cap=soft_cap)
     return out, lse
 
 
@@ -208,6 +251,11 @@ class TritonAttentionBackend(AttentionBackend):
     # Decode-only steps replay per-layer graphs (lengths on the device, S and table width bucketed);
     # prefill tiles are planned per step, so mixed steps run eagerly.
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # fp8 pages are dequantised in the kernels with their per-page scales; windows on global positions
+    # (key starts planned per step); soft cap in the logits. Decode and prefill/causal alike.
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):
@@ -232,4 +280,8 @@ class TritonAttentionBackend(AttentionBackend):
             reasons.append("triton is not installed (pip install 'cpattn[triton]')")
         if config.device_type == "cuda" and not torch.cuda.is_available():
             reasons.append("CUDA is not available in this process")
+        if (config.kv_cache_dtype == "fp8_e4m3" and config.device_capability is not None
+                and config.device_capability < (8, 9)):
+            reasons.append(f"fp8_e4m3 KV needs compute capability 8.9 or newer in Triton (this GPU is "
+                           f"{config.device_capability}): use kv_cache_dtype fp8_e5m2, or backend TORCH")
         return reasons

@@ -29,19 +29,83 @@ LOG2E = 1.0 / LN2
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, kv0,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div,
+             offs_d, d_mask, PS: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr):
+    """K and V rows of keys ``pos`` (in the dot's dtype only after the caller converts) and, for an fp8 cache,
+    their pages' scales [BLOCK_N] (kernel page p uses scale row p // scale_div); ones otherwise (unused)."""
+    if PAGED:
+        if MASKED:
+            page = tl.load(bt_row + pos // PS, mask=n_mask, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + pos // PS).to(tl.int64)
+        within = (pos % PS).to(tl.int64)
+        k_off = page * stride_kb + within * stride_ks
+        v_off = page * stride_vb + within * stride_vs
+    else:
+        page = pos.to(tl.int64) * 0
+        k_off = (kv0 + pos) * stride_ks
+        v_off = (kv0 + pos) * stride_vs
+    if MASKED:
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        kv_mask = d_mask[None, :]
+    k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if FP8:
+        srow = (page // scale_div) * stride_sp + kh
+        k_scale = tl.load(ks_ptr + srow, mask=n_mask, other=0.0)
+        v_scale = tl.load(vs_ptr + srow, mask=n_mask, other=0.0)
+    else:
+        k_scale = tl.zeros(pos.shape, tl.float32) + 1.0
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale_log2, cap_in, cap_out,
+                         MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile into the running (acc, m, l) of base-2 online softmax. fp8: K's page scale multiplies the
+    dot's columns and V's the probabilities (the fp8 values convert to the dot's dtype exactly). Soft cap:
+    the scaled logit s becomes cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (cap_in = 2 log2(e) * scale
+    / cap, cap_out = cap * log2(e))."""
+    raw = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if FP8:
+        raw = raw * k_scale[None, :]
+    if SOFTCAP:
+        qk = (1.0 - 2.0 / (tl.exp2(raw * cap_in) + 1.0)) * cap_out
+    else:
+        qk = raw * scale_log2
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row may see nothing in this tile
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, req_ptr, klen_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, req_ptr, klen_ptr, kstart_ptr, ks_ptr, vs_ptr,
     out_ptr, lse_ptr,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_btb,
+    stride_btb, stride_sp, scale_div,
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
-    scale_log2,
+    scale_log2, cap_in, cap_out,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     kh = tl.program_id(1)
@@ -49,10 +113,17 @@ def _paged_decode_kernel(
     tok = tl.load(tok_ptr + i).to(tl.int64)
     req = tl.load(req_ptr + i).to(tl.int64)
     kv_len = tl.load(klen_ptr + i)
+    # A sliding window: the token's first visible local key; the splits cut only [first, kv_len), so pages
+    # wholly before the window are never read.
+    if WINDOW:
+        first = tl.load(kstart_ptr + i)
+    else:
+        first = 0
+    num_keys = tl.maximum(kv_len - first, 0)
     # Each token cuts its own keys into the S splits (whole tiles): lengths stay on the device, so a
     # captured CUDA graph replays correctly as sequences grow, and short rows of a batch end early.
-    chunk = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    start = s * chunk
+    chunk = tl.cdiv(tl.cdiv(num_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = first + s * chunk
     end = tl.minimum(start + chunk, kv_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -71,21 +142,11 @@ def _paged_decode_kernel(
     for n in range(start, end, BLOCK_N):
         pos = n + offs_n
         n_mask = pos < end
-        page = tl.load(bt_row + pos // PS, mask=n_mask, other=0).to(tl.int64)
-        within = (pos % PS).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kb + within[:, None] * stride_ks + kh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + within[:, None] * stride_vs + kh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))          # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v, k_scale, v_scale = _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, 0,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          stride_sp, scale_div, offs_d, d_mask, PS, True, True, FP8)
+        acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -105,22 +166,23 @@ def _paged_decode_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr,
     tile_req_ptr, tile_q0_ptr, tile_m_ptr, tile_j0_ptr,
-    req_seq_ptr, req_qlen_ptr, req_kv0_ptr,
+    req_seq_ptr, req_qlen_ptr, req_kv0_ptr, kstart_ptr, ks_ptr, vs_ptr,
     out_ptr, lse_ptr,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_btb,
+    stride_btb, stride_sp, scale_div,
     stride_ot, stride_oh, stride_lt,
-    scale_log2,
+    scale_log2, cap_in, cap_out,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr, PAGED: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Tile ``tid`` holds query tokens [q0, q0 + m) of request ``req``, its j0-th .. query.
 
     Query j of a request with ``seq`` keys and ``qlen`` queries sees keys [0, seq - qlen + j] when
-    CAUSAL, else all ``seq``. PAGED=False reads keys at rows kv0 + n of a [T, K, D] tensor.
+    CAUSAL, else all ``seq``; with WINDOW only keys >= kstart[row] of those (row = the query's token index,
+    keys counted like ``seq``). PAGED=False reads keys at rows kv0 + n of a [T, K, D] tensor.
     """
     tid = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,54 +213,51 @@ def _prefill_kernel(
         hi = seq
         lo = seq
     lo = (lo // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        # Rows see keys [kstart[row], limit[row]); tiles before the tile's smallest kstart are skipped, tiles
+        # between its largest kstart and lo need no mask, the rest are masked.
+        kstart = tl.load(kstart_ptr + rows, mask=m_mask, other=0)
+        k_min = tl.min(tl.where(m_mask, kstart, 2147483647))
+        b0 = tl.minimum(tl.cdiv(tl.max(tl.where(m_mask, kstart, 0)), BLOCK_N) * BLOCK_N, lo)
+        a0 = tl.minimum((k_min // BLOCK_N) * BLOCK_N, b0)
+    else:
+        kstart = tl.zeros([BLOCK_M], tl.int32)
+        k_min = 0
+        a0 = 0
+        b0 = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + req * stride_btb
-    # Full tiles: every row sees every key, no mask.
-    for n in range(0, lo, BLOCK_N):
+    # Window start tiles: per-row lower bound; keys before every row's window are not even loaded.
+    for n in range(a0, b0, BLOCK_N):
         pos = n + offs_n
-        if PAGED:
-            page = tl.load(bt_row + pos // PS).to(tl.int64)
-            k_off = page * stride_kb + (pos % PS).to(tl.int64) * stride_ks
-            v_off = page * stride_vb + (pos % PS).to(tl.int64) * stride_vs
-        else:
-            k_off = (kv0 + pos) * stride_ks
-            v_off = (kv0 + pos) * stride_vs
-        k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    # Boundary tiles: per-row limit (causal diagonal, sequence end).
+        n_mask = (pos < hi) & (pos >= k_min)
+        k, v, k_scale, v_scale = _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, kv0,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          stride_sp, scale_div, offs_d, d_mask, PS, PAGED, True, FP8)
+        visible = (pos[None, :] < limit[:, None]) & (pos[None, :] >= kstart[:, None])
+        acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i,
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+    # Full tiles: every row sees every key, no mask.
+    for n in range(b0, lo, BLOCK_N):
+        pos = n + offs_n
+        k, v, k_scale, v_scale = _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, pos >= 0, kh, kv0,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          stride_sp, scale_div, offs_d, d_mask, PS, PAGED, False, FP8)
+        acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, None, acc, m_i, l_i,
+                                             scale_log2, cap_in, cap_out, False, FP8, SOFTCAP)
+    # Boundary tiles: per-row limit (causal diagonal, sequence end), and the window's start.
     for n in range(lo, hi, BLOCK_N):
         pos = n + offs_n
-        n_mask = pos < hi
-        if PAGED:
-            page = tl.load(bt_row + pos // PS, mask=n_mask, other=0).to(tl.int64)
-            k_off = page * stride_kb + (pos % PS).to(tl.int64) * stride_ks
-            v_off = page * stride_vb + (pos % PS).to(tl.int64) * stride_vs
-        else:
-            k_off = (kv0 + pos) * stride_ks
-            v_off = (kv0 + pos) * stride_vs
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
-        visible = pos[None, :] < limit[:, None]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row may see nothing in this tile
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        n_mask = (pos < hi) & (pos >= k_min)
+        k, v, k_scale, v_scale = _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, kv0,
+                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                          stride_sp, scale_div, offs_d, d_mask, PS, PAGED, True, FP8)
+        visible = (pos[None, :] < limit[:, None]) & (pos[None, :] >= kstart[:, None])
+        acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i,
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -233,12 +292,29 @@ def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
     return 1 << (splits.bit_length() - 1)
 
 
+def _feature_args(kv_scale: torch.Tensor | None, soft_cap: float | None, scale: float, num_kernel_pages: int,
+                  fallback: torch.Tensor) -> tuple[tuple, dict]:
+    """(ks, vs, stride_sp, scale_div) and (scale_log2, cap_in, cap_out) plus the FP8 / SOFTCAP flags."""
+    if kv_scale is None:
+        scales = (fallback, fallback, 0, 1)
+    else:
+        if num_kernel_pages % kv_scale.shape[1]:
+            raise ValueError(f"{num_kernel_pages} kernel pages are not a multiple of {kv_scale.shape[1]} scale pages")
+        scales = (kv_scale[0], kv_scale[1], kv_scale.stride(1), num_kernel_pages // kv_scale.shape[1])
+    cap = (0.0, 0.0) if soft_cap is None else (2.0 * LOG2E * scale / soft_cap, soft_cap * LOG2E)
+    return scales + (scale * LOG2E,) + cap, dict(FP8=kv_scale is not None, SOFTCAP=soft_cap is not None)
+
+
 def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int,
-                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False) -> None:
+                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False,
+                 key_start: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None,
+                 soft_cap: float | None = None) -> None:
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
     ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
-    ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step)."""
+    ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step).
+    ``key_start`` (int32, one per decode): a sliding window's first visible key (keys before it are not read).
+    ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap)."""
     from cpattn.attention.merge import LseBase
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
@@ -253,22 +329,25 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg = DECODE_CONFIG
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
     grid = (num_tok, hk, splits)
-    common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2)
-    args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens)
+    feature_args, flags = _feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
+    common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2, **flags)
+    ks, vs, stride_sp, scale_div, *logit_args = feature_args
+    args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
+                 kv_lens if key_start is None else key_start, ks, vs)
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
     if splits == 1:
         _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
                                    0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
-                                   scale * LOG2E, DIRECT=True, **common)
+                                   *logit_args, DIRECT=True, **common)
         return
     part_out = torch.empty(splits, num_tok, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, num_tok, hq, dtype=torch.float32, device=q_TQD.device)
     _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
                                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                                part_lse.stride(0), part_lse.stride(1),
-                               scale * LOG2E, DIRECT=False, **common)
+                               *logit_args, DIRECT=False, **common)
     if all_rows:
         # Every token is a decode, in order: the merge writes the output in place.
         merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)
@@ -306,9 +385,14 @@ def make_prefill_tiles(req_ids: list[int], q_starts: list[int], q_lens: list[int
 
 def prefill(q_TQD: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
             tiles: tuple[torch.Tensor, ...], req_seq: torch.Tensor, req_qlen: torch.Tensor, req_kv0: torch.Tensor,
-            causal: bool, scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor) -> None:
+            causal: bool, scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor,
+            key_start: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None,
+            soft_cap: float | None = None) -> None:
     """Tiled attention for the tokens the ``tiles`` cover. Paged when ``block_table`` is given
-    (k, v: [P, PS, K, D] caches), else ragged (k, v: [T, K, D], request r's keys start at req_kv0[r])."""
+    (k, v: [P, PS, K, D] caches), else ragged (k, v: [T, K, D], request r's keys start at req_kv0[r]).
+    ``key_start`` (int32 [T], by token row): a sliding window's first visible key of each query, counted like
+    the request's keys (tiles wholly before it are not read); ``kv_scale`` [2, scale pages, K]: an fp8 paged
+    cache's per-page scales; ``soft_cap``: s -> cap tanh(s / cap)."""
     num_tiles = tiles[0].numel()
     if num_tiles == 0:
         return
@@ -324,19 +408,23 @@ def prefill(q_TQD: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: 
         kstr = (0, k.stride(0), k.stride(1))
         vstr = (0, v.stride(0), v.stride(1))
         bt, bt_stride = req_kv0, 0
+        if kv_scale is not None:
+            raise ValueError("fp8 scales apply to a paged cache only")
+    feature_args, flags = _feature_args(kv_scale, soft_cap, scale, k.shape[0], req_seq)
+    ks, vs, stride_sp, scale_div, *logit_args = feature_args
     block_m, block_n, warps, stages = prefill_block_sizes(d)
     _prefill_kernel[(num_tiles, hq)](
-        q_TQD, k, v, bt, *tiles, req_seq, req_qlen, req_kv0, out_TQD, lse_TQ,
-        q_TQD.stride(0), q_TQD.stride(1), *kstr, *vstr, bt_stride,
-        out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0),
-        scale * LOG2E,
+        q_TQD, k, v, bt, *tiles, req_seq, req_qlen, req_kv0, req_seq if key_start is None else key_start, ks, vs,
+        out_TQD, lse_TQ, q_TQD.stride(0), q_TQD.stride(1), *kstr, *vstr, bt_stride, stride_sp, scale_div,
+        out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0), *logit_args,
         G=hq // hk, D=d, PS=ps, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n,
-        CAUSAL=causal, PAGED=paged, num_warps=warps, num_stages=stages)
+        CAUSAL=causal, PAGED=paged, WINDOW=key_start is not None, num_warps=warps, num_stages=stages, **flags)
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_kt, stride_vt, stride_ct,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, stride_kt, stride_vt, stride_ct,
+                     stride_sp, page_tokens, fmax,
+                     ROW: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -344,13 +432,27 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_kt, stride_v
         mask = offs < ROW
         k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+        if FP8:
+            # x / its page's scale (per kv head), saturating at the format's largest value; scale 0 stores 0
+            # (kvstore.fp8.quantize, the same rule).
+            srow = (slot // page_tokens) * stride_sp + offs // D
+            k_scale = tl.load(ks_ptr + srow, mask=mask, other=0.0)
+            v_scale = tl.load(vs_ptr + srow, mask=mask, other=0.0)
+            k = tl.where(k_scale > 0, k.to(tl.float32) / tl.where(k_scale > 0, k_scale, 1.0), 0.0)
+            v = tl.where(v_scale > 0, v.to(tl.float32) / tl.where(v_scale > 0, v_scale, 1.0), 0.0)
+            # NaN stays NaN (the hardware max/min would turn it into a bound); rounding to nearest even, as torch.
+            k = tl.where(k != k, k, tl.minimum(tl.maximum(k, -fmax), fmax))
+            v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -fmax), fmax))
+            k = k.to(kc_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            v = v.to(vc_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(kc_ptr + slot * stride_ct + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + slot * stride_ct + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
-                   slot_mapping_T: torch.Tensor) -> None:
-    """``backend.write_kv_cache`` without the host sync: slots < 0 are skipped inside the kernel."""
+                   slot_mapping_T: torch.Tensor, kv_scale_2NK: torch.Tensor | None = None) -> None:
+    """``backend.write_kv_cache`` without the host sync: slots < 0 are skipped inside the kernel. An fp8 cache
+    (``kv_scale_2NK`` [2, scale pages, K], already grown for these values) is quantised in the kernel."""
     t = slot_mapping_T.numel()
     if t == 0:
         return
@@ -364,5 +466,13 @@ def write_kv_cache(kv_cache_2NBKD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: tor
     flat = kv_cache_2NBKD.view(2, nb * ps, hk * d)
     row = hk * d
     block = min(1024, triton.next_power_of_2(row))
-    _write_kv_kernel[(t, triton.cdiv(row, block))](k, v, slot_mapping_T, flat[0], flat[1], k.stride(0), v.stride(0),
-                                                   flat.stride(1), ROW=row, BLOCK=block)
+    if kv_scale_2NK is None:
+        scales = (slot_mapping_T, slot_mapping_T, 0, 1, 0.0)
+    else:
+        page_tokens = ps * (nb // kv_scale_2NK.shape[1])          # a kernel view's pages share a scale page
+        scales = (kv_scale_2NK[0], kv_scale_2NK[1], kv_scale_2NK.stride(1), page_tokens,
+                  torch.finfo(kv_cache_2NBKD.dtype).max)
+    ks, vs, stride_sp, page_tokens, fmax = scales
+    _write_kv_kernel[(t, triton.cdiv(row, block))](k, v, slot_mapping_T, flat[0], flat[1], ks, vs, k.stride(0),
+                                                   v.stride(0), flat.stride(1), stride_sp, page_tokens, fmax,
+                                                   ROW=row, D=d, BLOCK=block, FP8=kv_scale_2NK is not None)
