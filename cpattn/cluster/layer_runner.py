@@ -21,7 +21,7 @@ from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import dynamic_scales, is_fp8, rescale_cache
-from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
+from cpattn.kvstore import copy_pages, expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 
 @dataclass
@@ -34,6 +34,8 @@ class PlannedStep:
     pieces: torch.Tensor
     rows: torch.Tensor | None
     """(R,) int64 on the device, None = all T rows."""
+    copies: torch.Tensor | None = None
+    """[C, 2] int64 on the device: pages each layer copies before its KV update (copy on write)."""
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
@@ -84,7 +86,8 @@ class ShardLayerRunner:
         rows = None if plan.rows is None else plan.rows.to(self.device)
         if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows):
             graphs = None
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, graphs)
+        copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, copies, graphs)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +95,8 @@ class ShardLayerRunner:
 
         No host synchronisation and no Python work that grows with T: every index was planned.
         """
+        if step.copies is not None:
+            copy_pages(self.kv_caches[layer], step.copies)   # copy on write: before this layer's KV update
         if step.graphs is not None:
             return step.graphs.run(layer, q_TQD, k_TKD, v_TKD)
         scale = None
