@@ -17,12 +17,6 @@ from service_oracle import Oracle, local_tokens, run_step
 CASES = [(3, 1, 4, 4, 2, 2), (3, 16, 16, 4, 1, 1), (5, 1, 4, 2, 2, 1)]
 
 
-def fork_oracle(oracle: Oracle, source: str, fork: str, num_tokens: int) -> None:
-    for layer in range(oracle.cfg.num_layers):
-        k, v = oracle.kv[(source, layer)]
-        oracle.kv[(fork, layer)] = (k[:num_tokens].clone(), v[:num_tokens].clone())
-
-
 def separate_blocks(svc, lengths: dict[str, int]) -> list[int]:
     """Pages per shard the sequences would use as separate sequences (nothing shared)."""
     n, i, b = svc.config.num_shards, svc.config.dcp_interleave, svc.config.block_size
@@ -56,8 +50,8 @@ def test_forks_match_the_oracle_and_share_pages(service):
     whole = svc.fork(a)
     cut = rng.randint(1, oracle.length(a) - 1)
     part = svc.fork(a, num_tokens=cut)
-    fork_oracle(oracle, a, whole, oracle.length(a))
-    fork_oracle(oracle, a, part, cut)
+    oracle.fork(a, whole, oracle.length(a))
+    oracle.fork(a, part, cut)
     assert svc.sequences() == {a: oracle.length(a), whole: oracle.length(a), part: cut}
     stats = svc.stats()
     assert [s["blocks_used"] for s in stats["shards"]] == used_before          # no page copied by a fork
@@ -67,7 +61,7 @@ def test_forks_match_the_oracle_and_share_pages(service):
         assert run_step(svc, oracle, request) <= 1e-10
     # A fork of a fork, then a long prefill onto it (PCP splits it over the shards).
     grand = svc.fork(whole, num_tokens=oracle.length(whole) - 1)
-    fork_oracle(oracle, whole, grand, oracle.length(whole) - 1)
+    oracle.fork(whole, grand, oracle.length(whole) - 1)
     assert run_step(svc, oracle, {grand: 17, a: 1}) <= 1e-10
     # Freeing the source leaves every fork intact.
     svc.free(a)
@@ -90,7 +84,7 @@ def test_rollback_undoes_the_copy_on_write(service):
     a = svc.add_sequence()
     run_step(svc, oracle, {a: 7})                # partly filled last pages on the shards holding token 7's page
     f = svc.fork(a)
-    fork_oracle(oracle, a, f, 7)
+    oracle.fork(a, f, 7)
     before = svc.stats()["shards"]
     with pytest.raises(KeyError):
         with svc.step({f: 1, a: 1}) as step:
@@ -150,7 +144,7 @@ def test_fp8_cache_and_windows_on_forks(start_service):
     a = svc.add_sequence()
     assert run_step(svc, oracle, {a: 22}, check=False) < 0.15
     f = svc.fork(a)
-    fork_oracle(oracle, a, f, 22)
+    oracle.fork(a, f, 22)
     assert _same_step_outputs(svc, a, f, oracle) == 0.0   # both copied their shared page, wrote the same token
     g = svc.fork(a, num_tokens=23)
     assert _same_step_outputs(svc, f, g, oracle) == 0.0
@@ -163,7 +157,7 @@ def test_window_forks_match_the_oracle_in_float64(start_service):
     a = svc.add_sequence()
     run_step(svc, oracle, {a: 14})
     f, g = svc.fork(a), svc.fork(a, num_tokens=9)
-    fork_oracle(oracle, a, f, 14)
-    fork_oracle(oracle, a, g, 9)
+    oracle.fork(a, f, 14)
+    oracle.fork(a, g, 9)
     for request in ({a: 1, f: 2, g: 1}, {f: 1, g: 6}):
         assert run_step(svc, oracle, request) <= 1e-10
