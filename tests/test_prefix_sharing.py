@@ -11,6 +11,7 @@ import pytest
 import cpattn
 from conftest import service_config
 from cpattn.errors import InvalidRequestError
+from reliability_common import RPC_S, kill_shard, kv_checksums, wait_replaced
 from service_oracle import Oracle, local_tokens, run_step
 
 # (num_shards, dcp_interleave, block_size, num_q_heads, num_kv_heads, kv_replicas)
@@ -135,19 +136,26 @@ def _same_step_outputs(svc, seq_a: str, seq_b: str, oracle: Oracle) -> float:
     return worst
 
 
-def test_fp8_cache_and_windows_on_forks(start_service):
-    """fp8 KV (float32 activations) with a window of 6 on one layer: a fork and its source, given the same new
-    token, give exactly the same output (one copy of the prefix), and both stay within fp8 of the float64 oracle."""
-    svc = start_service(num_shards=3, dtype="float32", kv_cache_dtype="fp8_e4m3", num_layers=2,
-                        dcp_interleave=4, sliding_window=[None, 6])
+def test_fp8_cache_windows_and_refill_on_forks(start_service):
+    """fp8 KV (float32 activations, dynamic scales) with a window of 6 on one layer and two replicas: a fork and
+    its source, given the same new token, give exactly the same output (one copy of the prefix, each side copies
+    the page it writes), both within fp8 of the float64 oracle; a killed shard's replacement is refilled with
+    each shared page once and holds exactly the same values, and the forks go on."""
+    svc = start_service(num_shards=3, dtype="float32", kv_cache_dtype="fp8_e4m3", num_layers=2, dcp_interleave=4,
+                        sliding_window=[None, 6], kv_replicas=2, rpc_timeout_s=RPC_S, collective_timeout_s=5.0,
+                        health_check_interval_s=1.0, start_timeout_s=120.0)
     oracle = Oracle(svc.config, 9)
     a = svc.add_sequence()
     assert run_step(svc, oracle, {a: 22}, check=False) < 0.15
     f = svc.fork(a)
     oracle.fork(a, f, 22)
-    assert _same_step_outputs(svc, a, f, oracle) == 0.0   # both copied their shared page, wrote the same token
-    g = svc.fork(a, num_tokens=23)
-    assert _same_step_outputs(svc, f, g, oracle) == 0.0
+    assert run_step(svc, oracle, {f: 3}, check=False) < 0.15
+    assert _same_step_outputs(svc, a, svc.fork(f, num_tokens=22), oracle) == 0.0
+    sums = kv_checksums(svc)
+    kill_shard(svc, 1)
+    wait_replaced(svc, 1)
+    assert kv_checksums(svc) == pytest.approx(sums, rel=1e-12)
+    assert run_step(svc, oracle, {f: 1}, check=False) < 0.15
 
 
 def test_window_forks_match_the_oracle_in_float64(start_service):

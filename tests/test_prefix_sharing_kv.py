@@ -12,6 +12,7 @@ import torch
 
 from cpattn.errors import CapacityError
 from cpattn.kvstore import copy_pages
+from cpattn.cluster.recovery import refill_copies
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator, restore_allocator
 from service_oracle import local_tokens
 
@@ -120,3 +121,18 @@ def test_copy_pages_copies_bits_of_every_cache_dtype(dtype):
     expected[:, 4], expected[:, 1] = cache[:, 0], cache[:, 3]
     copy_pages(cache, torch.tensor([[0, 4], [3, 1]]))
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_refill_rebuilds_each_shared_page_once():
+    alloc = ShardedKVAllocator(3, 60, BLOCK, 1, max_rows=6, replicas=2)
+    a = alloc.add_rows()
+    alloc.finish(alloc.grow([(a, 50)], [0]))
+    forks = [alloc.fork_rows(a, n) for n in (50, 31, 7)]
+    alloc.finish(alloc.grow([(forks[1], 33)], [31]))
+    rows = [a] + forks
+    for rank in range(3):
+        for copy in refill_copies(alloc, rows, rank):
+            assert len(copy.dst_blocks) == len(set(copy.dst_blocks))       # each page rebuilt once
+            primary = copy.src == alloc.replica_holder(rank)
+            needed = {b for r in rows for b in alloc.tables[rank].row(r.primary[rank] if primary else r.replica[rank])}
+            assert set(copy.dst_blocks) == needed                          # and every page of the shard rebuilt
