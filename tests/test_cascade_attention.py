@@ -3,6 +3,7 @@ layer, and the outputs match the independent float64 oracle (tests/reference.py)
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -111,3 +112,75 @@ def test_groups_are_the_common_pages_within_the_keys_every_member_sees():
     assert [(g.requests, g.num_keys) for g in groups] == [((0, 1), 3)]   # only the keys both see
     assert find_shared_prefixes(table, torch.tensor([12, 3, 12]), BLOCK, min_keys=4) == ()
     assert find_shared_prefixes(table[[0, 2]], torch.tensor([12, 12]), BLOCK) == ()
+
+
+@pytest.mark.parametrize("hq,hk,seed", [(4, 2, 3), (2, 1, 4)])
+def test_split_for_block_table_kernels_matches_the_oracle(hq, hk, seed):
+    """The split every block-table backend runs (attention/cascade_plan.py), checked with the TORCH kernel on
+    plain metadata (no internal cascade): suffix pass (writes the new K/V) + prefix pass, merged, is exact."""
+    from cpattn.attention.cascade_plan import merge_prefix_rows, split_shared_prefixes
+
+    cuts, own, qlens = [37, 37, 22, 30, 9, 0], [0, 3, 5, 1, 2, 6], [1, 1, 4, 1, 2, 1]
+    batch = ForkedBatch(cuts, own, qlens, hk, hq, 8, seed)
+    _, impl = _impl(hq, hk, 8)
+    md = make_dcp_context_metadata(qlens, batch.context_lens, batch.table, BLOCK, 1, 0, 1, fold_decodes=True)
+    split = split_shared_prefixes(md, BLOCK)
+    assert split.prefix.num_reqs == 1 and split.prefix.seq_lens_cpu.tolist() == [8]
+    assert split.rows.tolist() == list(range(sum(qlens[:5])))       # every query of the five forks
+    assert split_shared_prefixes(make_causal_metadata(qlens, batch.context_lens, batch.table, BLOCK), BLOCK) is None
+    k_new, v_new = batch.new_kv()
+    cache = batch.cache.clone()
+    out, lse = impl.forward(0, batch.q, k_new, v_new, cache, split.suffix)
+    p_out, p_lse = impl.forward(0, batch.q[split.rows], k_new[split.rows], v_new[split.rows], cache, split.prefix)
+    out, lse = merge_prefix_rows(out, lse, split.rows, p_out, p_lse)
+    ref_cache = batch.cache.clone()
+    ref_out, ref_lse = impl.forward(0, batch.q, k_new, v_new, ref_cache, md)   # plain metadata: no cascade
+    assert torch.equal(cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0))       # same KV written, nothing else
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
+    start = 0
+    for r, ql in enumerate(qlens):   # and the oracle: decodes see their own new key (fold_decodes)
+        n = batch.context_lens[r] + (1 if ql == 1 else 0)
+        visible = torch.ones(ql, n, dtype=torch.bool)
+        o, l = attention_with_visibility(batch.q[start:start + ql], batch.keys[r][:n], batch.values[r][:n], visible)
+        torch.testing.assert_close(out[start:start + ql], o, atol=1e-12, rtol=1e-12)
+        start += ql
+
+
+@pytest.mark.parametrize("num_shards,interleave", [(3, 1), (2, 4)])
+def test_shard_runner_split_equals_the_plain_context_pass(num_shards, interleave):
+    """A shard's step over forks (copy on write included), run with the split that block-table kernels get and
+    without it: same outputs and LSEs (float64), same KV written, on every rank."""
+    from conftest import service_config
+    from cpattn.attention.backends.torch_ref import TorchReferenceBackend
+    from cpattn.cluster.layer_runner import ShardLayerRunner
+    from cpattn.cluster.step_planner import StepRequest, plan_step
+    from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+
+    cfg = service_config(num_shards=num_shards, dcp_interleave=interleave, num_layers=1, block_size=4)
+    alloc = ShardedKVAllocator(num_shards, 64, 4, interleave, max_rows=8)
+    source = alloc.add_rows()
+    alloc.finish(alloc.grow([(source, 45)], [0]))
+    forks = [alloc.fork_rows(source, n) for n in (45, 45, 30)]
+    rows, lengths, new = [source] + forks, [45, 45, 45, 30], [1, 1, 3, 1]
+    growth = alloc.grow([(r, n + m) for r, n, m in zip(rows, lengths, new)], lengths)
+    assert growth.copies                                        # the forks' first writes copy shared pages
+    plans = plan_step(alloc, [StepRequest(r, n, m) for r, n, m in zip(rows, lengths, new)], 1, False, 8,
+                      growth=growth)
+    g = torch.Generator().manual_seed(num_shards)
+    q, k, v = (torch.randn(sum(new), h, cfg.head_size, generator=g, dtype=torch.float64)
+               for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads))
+    for rank, plan in enumerate(plans):
+        cache = torch.randn(2, 64, 4, cfg.num_kv_heads, cfg.head_size, generator=g, dtype=torch.float64)
+        results = []
+        for split in (True, False):
+            caches = [cache.clone()]
+            runner = ShardLayerRunner(cfg, TorchReferenceBackend, caches, torch.device("cpu"))
+            runner.split_prefixes = split
+            planned = runner.plan(copy.deepcopy(plan))
+            assert (planned.prefix_pass is not None) == split
+            results.append((*runner.run_layer(planned, 0, q, k, v), caches[0]))
+        (out_a, lse_a, cache_a), (out_b, lse_b, cache_b) = results
+        torch.testing.assert_close(out_a, out_b, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse_a, lse_b, atol=1e-12, rtol=1e-12)
+        assert torch.equal(cache_a, cache_b)

@@ -207,6 +207,7 @@ class TorchReferenceBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")   # dequantised before float32/64 math
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    reads_shared_prefix_once = True   # cascade inside forward (attention/cascade.py): no split by the shard
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):
