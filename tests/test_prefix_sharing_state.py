@@ -92,3 +92,19 @@ def test_a_freed_source_voids_its_tokens_and_keeps_its_forks():
         sharing.fork_shared("bob", token)
     table.free(fork, "bob")
     assert all(p.num_used_blocks == 0 for p in table.allocator.pools)
+
+
+def test_a_copy_on_write_resends_the_row_and_rewrites_the_journal():
+    """A client computing a shard in-process caches block-table rows by version (page_delta.py), and the journal
+    rewrites page lists only when their count changes: a page replaced by its copy must bump both."""
+    table, sharing, _ = _state()
+    source = _grown(table, "alice", "seq-a", 10)
+    fork = table.get(sharing.fork("alice", "seq-a"), "alice")
+    source.persisted_pages = fork.persisted_pages = 7
+    versions = (source.pages_version, fork.pages_version)
+    growth = table.grow([fork], [11])             # token 10 lands in shard 1's shared, partly filled page
+    assert [(c.shard, c.index) for c in growth.copies] == [(1, 0)]
+    assert (source.pages_version, fork.pages_version) == (versions[0], versions[1] + 1)
+    assert fork.persisted_pages == -1 and source.persisted_pages == 7
+    table.undo(growth, [fork.seq_id])
+    assert table.allocator.pools[1].num_shared_blocks == 1          # the rollback left the page shared

@@ -185,7 +185,8 @@ class SequenceTable:
         if growth.copies:
             copied = {(c.shard, c.row) for c in growth.copies}
             for seq in seqs:
-                if copied & set(self.allocator.pages_of(seq.rows)):
+                rows = set(enumerate(seq.rows.primary)) | set(enumerate(seq.rows.replica or ()))
+                if copied & rows:
                     seq.pages_version += 1     # a page a client may hold was replaced by its copy (page_delta.py)
                     seq.persisted_pages = -1   # same page count, other pages: the journal must rewrite them
         return growth
