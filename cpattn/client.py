@@ -104,6 +104,25 @@ class Service:
         self.gateway.call("free", canonical_id(seq_id))
         self.gateway.pages.forget(canonical_id(seq_id))
 
+    def fork(self, seq_id: str, num_tokens: int | None = None) -> str:
+        """A new sequence whose first ``num_tokens`` tokens (default: all) are ``seq_id``'s, sharing its KV pages on
+        every shard: no prefill, no copy. Either may go on independently (a write into a shared page copies that
+        page first) and freeing one leaves the other intact."""
+        self._check_open()
+        return self.gateway.call("fork", canonical_id(seq_id), num_tokens)
+
+    def share(self, seq_id: str, num_tokens: int | None = None, ttl_s: float = 3600.0) -> str:
+        """A token that lets another client of this service ``fork_shared`` the first ``num_tokens`` (default: its
+        length now) of this client's ``seq_id``, for ``ttl_s`` seconds or until ``seq_id`` is freed. Nothing of
+        the sequence is visible to other clients without it."""
+        self._check_open()
+        return self.gateway.call("share", canonical_id(seq_id), num_tokens, ttl_s)
+
+    def fork_shared(self, token: str) -> str:
+        """A new sequence of this client holding the prefix another client granted with ``share``."""
+        self._check_open()
+        return self.gateway.call("fork_shared", token)
+
     def sequences(self) -> dict[str, int]:
         """This client's sequences and their lengths."""
         return self.gateway.call("list_sequences")

@@ -5,8 +5,12 @@ service through transformers' attention interface (``AttentionInterface.register
 The service holds the whole KV cache, sharded over its Ray actors, so the model runs without a
 transformers cache: each forward passes only the new tokens, and one cpattn step covers every layer of
 that forward (model layer i = cpattn layer i). A long prompt is prefilled in chunks, then greedy decoding.
+With ``--questions N`` the prompt is a shared document: prefilled once, forked into N sequences (svc.fork:
+they share its KV pages, nothing is copied or prefilled again), each gets its own question, and all N
+are decoded in one batch.
 
     python examples/long_context_job.py                              # tiny random Llama, embedded Ray
+    python examples/long_context_job.py --questions 8                # one document, 8 questions, one batch
     python examples/long_context_job.py --model /path/to/llama      # local weights (no downloads)
     ray job submit --working-dir . -- python examples/long_context_job.py
     cpattn submit -- python examples/long_context_job.py --service cpattn   # attach to `cpattn serve`
@@ -88,6 +92,12 @@ def make_prompt(vocab_size: int, length: int, batch: int, seed: int) -> torch.Te
     return torch.randint(0, vocab_size, (batch, length), generator=gen)
 
 
+def make_questions(vocab_size: int, num_questions: int, length: int, seed: int) -> torch.Tensor:
+    """Random token ids [num_questions, length]: one question per fork of the document."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    return torch.randint(0, vocab_size, (num_questions, length), generator=gen)
+
+
 def check_supported(model_config) -> list[str]:
     """What cpattn cannot run for this model (empty when it can)."""
     reasons = []
@@ -102,15 +112,16 @@ def check_supported(model_config) -> list[str]:
 class CpattnLM:
     """Runs a transformers causal LM with its attention on a cpattn service; one step per forward."""
 
-    def __init__(self, model, service, batch: int):
+    def __init__(self, model, service, batch: int, seq_ids: list[str] | None = None, position: int = 0):
+        """``batch`` new sequences, or ``seq_ids`` that already hold ``position`` tokens each (forks)."""
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_IMPLEMENTATION, ATTENTION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.svc = service
-        self.seq_ids = [service.add_sequence() for _ in range(batch)]
-        self.position = 0
+        self.seq_ids = seq_ids if seq_ids is not None else [service.add_sequence() for _ in range(batch)]
+        self.position = position
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -168,12 +179,38 @@ def eager_generate(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Te
     return out[:, prompt.shape[1]:]
 
 
+def ask_questions(lm_document: CpattnLM, document: torch.Tensor, questions: torch.Tensor, chunk_size: int,
+                  max_new_tokens: int, progress: bool = True):
+    """Prefill ``document`` [1, L] once, fork it once per row of ``questions`` [N, Lq], then prefill the questions
+    and decode all N in one batch. Returns (new tokens [N, max_new_tokens], timings, stats after forking)."""
+    svc = lm_document.svc
+    t0 = time.perf_counter()
+    for start in range(0, document.shape[1], chunk_size):
+        lm_document.forward(document[:, start:start + chunk_size])
+    doc_id = lm_document.seq_ids[0]
+    forks = [svc.fork(doc_id) for _ in range(questions.shape[0])]
+    lm_document.free()   # the forks hold the document's pages: its own sequence is no longer needed
+    forked = svc.stats()
+    lm = CpattnLM(lm_document.model, svc, 0, seq_ids=forks, position=document.shape[1])
+    t1 = time.perf_counter()
+    new_tokens, timings = generate(lm, questions, chunk_size, max_new_tokens, progress)
+    stats = svc.stats()
+    lm.free()
+    timings = dict(timings, prefill_s=timings["prefill_s"] + t1 - t0, document_prefill_s=t1 - t0)
+    return new_tokens, timings, forked, stats
+
+
 def service_config(model_config, args, dtype: str, total_tokens: int):
     import cpattn
 
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     tokens_per_shard = math.ceil(total_tokens / args.shards)
     blocks = args.batch * (math.ceil(tokens_per_shard / args.block_size) + 2)
+    if args.questions:
+        # One copy of the document, then per question its own tokens and a copy of the page it shares partly.
+        own = math.ceil((args.question_len + args.max_new_tokens) / args.shards / args.block_size) + 2
+        blocks = math.ceil((total_tokens - args.question_len - args.max_new_tokens) / args.shards / args.block_size)
+        blocks += args.questions * own + 2
     return cpattn.ServiceConfig(
         num_shards=args.shards, num_layers=model_config.num_hidden_layers,
         num_q_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
@@ -232,6 +269,9 @@ def parse_args(argv):
     p.add_argument("--gpus-per-shard", type=float, default=0.0)
     p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     p.add_argument("--pcp-min-tokens", type=int, default=128, help="prefill chunks this long split across shards")
+    p.add_argument("--questions", type=int, default=0, help="N > 0: the prompt is a document prefilled once and "
+                                                             "forked into N sequences, each with its own question")
+    p.add_argument("--question-len", type=int, default=16, help="random tokens of each question (--questions)")
     p.add_argument("--verify", action="store_true", help="also run eager attention and fail unless tokens match")
     p.add_argument("--json-out", default=None, help="write tokens and timings as JSON here")
     p.add_argument("--no-progress", action="store_true")
@@ -256,32 +296,54 @@ def main(argv: list[str] | None = None) -> int:
             prompt = tokenizer(f.read(), return_tensors="pt").input_ids.expand(args.batch, -1)
     else:
         prompt = make_prompt(model.config.vocab_size, args.prompt_len, args.batch, args.seed)
+    questions = None
+    if args.questions:
+        if prompt.shape[0] != 1:
+            raise SystemExit("--questions forks one document: use --batch 1")
+        questions = make_questions(model.config.vocab_size, args.questions, args.question_len, args.seed)
 
     if args.service:
         svc = cpattn.connect(name=args.service, namespace=args.namespace, address=args.address)
         check_geometry(svc.config, model.config, args.dtype)
     else:
-        svc = cpattn.start(service_config(model.config, args, args.dtype, prompt.shape[1] + args.max_new_tokens))
+        total = prompt.shape[1] + args.max_new_tokens + (args.question_len if args.questions else 0)
+        svc = cpattn.start(service_config(model.config, args, args.dtype, total))
+    forked = None
     try:
         backend = "{backend} ({kernel_version}, LSE base {lse_base})".format(**svc.info()["shards"][0])
         print(f"cpattn: {svc.config.num_shards} shards, {backend}; prompt {tuple(prompt.shape)}, "
-              f"chunks of {args.chunk_size}, {args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
+              f"chunks of {args.chunk_size}, {args.max_new_tokens} new tokens"
+              + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else ""),
+              file=sys.stderr, flush=True)
         lm = CpattnLM(model, svc, prompt.shape[0])
-        new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, not args.no_progress)
-        stats = svc.stats()
-        lm.free()
+        if questions is not None:
+            new_tokens, timings, forked, stats = ask_questions(lm, prompt, questions, args.chunk_size,
+                                                               args.max_new_tokens, not args.no_progress)
+        else:
+            new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, not args.no_progress)
+            stats = svc.stats()
+            lm.free()
     finally:
         if args.service:
             svc.close()
         else:
             svc.shutdown()
-    print(summary_table(stats, timings, prompt.numel(), new_tokens.numel(), backend))
+    prefilled = prompt.numel() + (0 if questions is None else questions.numel())
+    print(summary_table(stats, timings, prefilled, new_tokens.numel(), backend))
     print("generated:", new_tokens.tolist())
     result = {"tokens": new_tokens.tolist(), "timings": timings, "backend": backend,
               "kv_per_shard": [{k: r[k] for k in ("rank", "blocks_used", "tokens", "bytes")} for r in stats["shards"]]}
+    if forked is not None:
+        used = sum(r["blocks_used"] for r in forked["shards"])
+        separate = sum(r["tokens"] for r in forked["shards"]) / svc.config.block_size
+        print(f"shared document: {args.questions} forks hold {used} KV blocks over the shards "
+              f"(separate sequences: about {separate:.0f})")
+        result["forked_kv"] = [{k: r[k] for k in ("rank", "blocks_used", "blocks_shared", "tokens")}
+                               for r in forked["shards"]]
     status = 0
     if args.verify:
-        reference = eager_generate(model, prompt, args.max_new_tokens)
+        full = prompt if questions is None else torch.cat([prompt.expand(questions.shape[0], -1), questions], dim=1)
+        reference = eager_generate(model, full, args.max_new_tokens)
         result["eager_tokens"] = reference.tolist()
         same = torch.equal(reference, new_tokens)
         print("verify: identical to eager attention" if same else

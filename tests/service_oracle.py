@@ -71,6 +71,12 @@ class Oracle:
         for layer in range(self.cfg.num_layers):
             self.kv.pop((sid, layer), None)
 
+    def fork(self, source: str, fork: str, num_tokens: int) -> None:
+        """``fork``'s history is the first ``num_tokens`` of ``source``'s (what svc.fork promises)."""
+        for layer in range(self.cfg.num_layers):
+            k, v = self.kv[(source, layer)]
+            self.kv[(fork, layer)] = (k[:num_tokens].clone(), v[:num_tokens].clone())
+
     def random_qkv(self, t: int):
         cfg = self.cfg
         dt = cfg.torch_dtype

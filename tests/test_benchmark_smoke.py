@@ -25,3 +25,16 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
     for r in rows:
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
+
+
+def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
+    out = tmp_path / "shared_prefix.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == rows["separate"]["batch"] == 4
+    # 250 tokens over 2 shards (125 each) in pages of 4: 32 + 32 pages per copy of the document.
+    assert rows["one"]["kv_blocks"] == rows["shared"]["kv_blocks"] == 64
+    assert rows["separate"]["kv_blocks"] == 4 * 64
+    assert all(r["step_ms"] > 0 and r["backend"] == "TORCH" for r in rows.values())

@@ -50,7 +50,15 @@ def test_restarted_coordinator_keeps_sequences_and_outputs_stay_exact(ray_sessio
         a, b = svc.add_sequence(), svc.add_sequence()
         run_step(svc, oracle, {a: 11, b: 3})
         run_step(svc, oracle, {a: 1, b: 1})
+        # Forks share pages by reference: the journal's page lists give each shared page one reference per
+        # sequence again, so the forks (and a share token, signed with the journalled secret) survive.
+        fa, fb = svc.fork(a), svc.fork(b, num_tokens=3)
+        oracle.fork(a, fa, 12)
+        oracle.fork(b, fb, 3)
+        run_step(svc, oracle, {fa: 1})
+        token = svc.share(a)
         before = svc.stats()
+        assert sum(s["blocks_shared"] for s in before["shards"]) > 0
         ray.kill(svc.gateway.coordinator, no_restart=False)     # Ray restarts a detached coordinator
         deadline = time.monotonic() + 60
         while True:   # ray.kill is asynchronous: wait for the restarted instance, not the old one
@@ -62,11 +70,17 @@ def test_restarted_coordinator_keeps_sequences_and_outputs_stay_exact(ray_sessio
             assert time.monotonic() < deadline, "coordinator did not come back within 60 s"
             time.sleep(0.5)
         after = svc.stats()
-        assert svc.sequences() == {a: 12, b: 4}
-        assert [s["blocks_used"] for s in after["shards"]] == [s["blocks_used"] for s in before["shards"]]
-        run_step(svc, oracle, {a: 2, b: 5})          # continues exactly, same client and data plane
+        assert svc.sequences() == {a: 12, b: 4, fa: 13, fb: 3}
+        assert [(s["blocks_used"], s["blocks_shared"]) for s in after["shards"]] == [
+            (s["blocks_used"], s["blocks_shared"]) for s in before["shards"]]
+        run_step(svc, oracle, {a: 2, b: 5, fb: 2})   # continues exactly, same client and data plane
+        fc = svc.fork_shared(token)
+        oracle.fork(a, fc, 12)
+        svc.free(a)
+        oracle.drop(a)
+        run_step(svc, oracle, {fa: 1, fc: 1})
         c = svc.add_sequence()
-        run_step(svc, oracle, {c: 6, a: 1})
+        run_step(svc, oracle, {c: 6, fa: 1})
     finally:
         svc.shutdown()
     names = [x["name"] for x in ray.util.list_named_actors(all_namespaces=True)]

@@ -72,3 +72,32 @@ def test_attention_function_rejects_custom_scale():
             module.ATTENTION(Layer(), q, q[:, :2], q[:, :2], None, scaling=0.1)
     finally:
         module.ATTENTION.step = None
+
+
+def test_questions_fork_one_document_and_match_eager_attention(tmp_path):
+    """--questions: the document is prefilled once and forked (its pages shared, not copied); each fork's
+    question and greedy continuation equal eager attention over document + question."""
+    prompt_len, chunk, new, questions, question_len, seed = 70, 32, 4, 3, 5, 4
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(JOB), "--prompt-len", str(prompt_len), "--chunk-size", str(chunk), "--max-new-tokens",
+         str(new), "--questions", str(questions), "--question-len", str(question_len), "--seed", str(seed),
+         "--shards", "3", "--block-size", "16", "--json-out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=150, cwd=ROOT, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"shared document: {questions} forks hold" in result.stdout
+    job = json.loads(out.read_text())
+    module = _load_job_module()
+    model = module.build_model(None, seed=seed, num_layers=2, dtype="float32")
+    document = module.make_prompt(model.config.vocab_size, prompt_len, 1, seed)
+    asked = module.make_questions(model.config.vocab_size, questions, question_len, seed)
+    full = torch.cat([document.expand(questions, -1), asked], dim=1)
+    with torch.no_grad():
+        eager = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=new, do_sample=False,
+                               pad_token_id=0)[:, full.shape[1]:]
+    assert job["tokens"] == eager.tolist()
+    # Right after forking, the document's pages are held once: 70 tokens over 3 shards in pages of 16.
+    forked = job["forked_kv"]
+    assert [s["blocks_used"] for s in forked] == [2, 2, 2]
+    assert [s["blocks_shared"] for s in forked] == [2, 2, 2]
+    assert sum(s["tokens"] for s in forked) == questions * prompt_len

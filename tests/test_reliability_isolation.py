@@ -1,17 +1,19 @@
 """Capacity and isolation between clients: CapacityError before anything is written, per-client quotas,
-no client can evict or corrupt another's KV, per-client stats, unguessable and private sequence ids.
+no client can evict or corrupt another's KV, per-client stats, unguessable and private sequence ids, sharing a
+prefix only by its owner's token.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
 
 import pytest
 
 import cpattn
 from conftest import service_config
-from cpattn.errors import CapacityError, InvalidRequestError
+from cpattn.errors import AccessDeniedError, CapacityError, InvalidRequestError
 from reliability_common import snapshot
 from service_oracle import Oracle, checked_step, local_tokens
 
@@ -199,3 +201,47 @@ def test_per_client_quota_is_enforced_per_client_and_changes_nothing(quota_servi
     checked_step(svc, oracle, {a: 12}, tol=TOL)         # freeing gives quota back
     other.free(theirs)
     svc.free(a)
+
+
+def test_sharing_needs_the_owners_token_and_survives_the_owner_freeing(two_clients):
+    """Another client sees nothing of a sequence without its owner's share token; with it, it gets a fork of its
+    own (the owner's KV untouched by the fork's writes); forged, altered and expired tokens are refused and
+    change nothing; once the owner frees the sequence its tokens grant nothing more, and forks made before
+    keep their KV (they hold references to its pages)."""
+    svc, other = two_clients
+    oracle = Oracle(svc.config, 43)
+    a = svc.add_sequence()
+    checked_step(svc, oracle, {a: 10}, tol=TOL)   # partly filled last pages: the fork's first write copies one
+    before = snapshot(svc, [other])
+    with pytest.raises(InvalidRequestError, match="unknown or freed sequence"):
+        other.fork(a)
+    with pytest.raises(InvalidRequestError, match="unknown or freed sequence"):
+        other.share(a)
+    token = svc.share(a)
+    for forged, match in ((token[:-1] + ("0" if token[-1] != "0" else "1"), "not issued by this service"),
+                          (token.replace("|10|", "|9|"), "not issued by this service"),
+                          (token.replace(svc.client_id, other.client_id), "not issued by this service"),
+                          ("share|" + "|".join(token.split("|")[1:5]) + "|" + "0" * 64, "not issued by this service"),
+                          ("seq-" + "A" * 22, "not a share token"), (None, "not a share token")):
+        with pytest.raises(AccessDeniedError, match=match):
+            other.fork_shared(forged)
+    expired = svc.share(a, ttl_s=0.01)
+    time.sleep(0.05)
+    with pytest.raises(AccessDeniedError, match=r"the share token expired \d+s ago"):
+        other.fork_shared(expired)
+    assert snapshot(svc, [other]) == before       # nothing a refused request touched
+    theirs = other.fork_shared(token)
+    oracle.fork(a, theirs, 10)
+    assert other.sequences() == {theirs: 10} and theirs not in svc.sequences()
+    with pytest.raises(InvalidRequestError, match="unknown or freed sequence"):
+        with svc.step({theirs: 1}):               # the owner has no access to the grantee's fork either
+            pass
+    checked_step(other, oracle, {theirs: 3}, tol=TOL)
+    checked_step(svc, oracle, {a: 2}, tol=TOL)    # the owner's pages were copied from, never written
+    svc.free(a)
+    oracle.drop(a)
+    with pytest.raises(InvalidRequestError, match="the shared sequence was freed by its owner"):
+        other.fork_shared(token)
+    checked_step(other, oracle, {theirs: 1}, tol=TOL)
+    other.free(theirs)
+    assert all(s["blocks_used"] == 0 for s in svc.stats()["shards"])

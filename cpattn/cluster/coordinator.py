@@ -20,7 +20,9 @@ from cpattn.cluster import authority, decode_run, step_outcome
 from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.journal import CoordinatorJournal
 from cpattn.cluster.metrics import ServiceMetrics
+from cpattn.cluster.ids import new_sequence_id
 from cpattn.cluster.open_steps import STEP_ID_RESERVE, OpenStep, OpenSteps, check_local_ranks, check_step_size
+from cpattn.cluster.prefix_sharing import PrefixSharing
 from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.cluster.shard_recovery import ShardRecovery
 from cpattn.cluster.shard_set import ShardSet
@@ -56,6 +58,7 @@ class Coordinator:
         self.clients = ClientRegistry()
         self.table = SequenceTable(config, self.journal)
         self.steps = OpenSteps(config.max_open_steps, _still_running)
+        self.sharing = PrefixSharing(self.table, lambda: self._shard_secret)
         self.recovery = ShardRecovery(self.shard_set, self.table, self._lock, self._shard_replaced)
         self.epoch = 0                       # bumped by every shard replacement; clients rejoin on a new one
         # Bumped by every coordinator restart; every plan carries it and shards refuse older ones once fenced.
@@ -209,12 +212,27 @@ class Coordinator:
     def add_sequence(self, credential: str) -> str:
         with self._lock:
             client_id = self.clients.check(credential)
-            return self.table.add(client_id, "seq-" + secrets.token_urlsafe(16)).seq_id   # the id is the capability
+            return self.table.add(client_id, new_sequence_id()).seq_id   # the id is the capability
 
     def free(self, credential: str, seq_id: str) -> None:
         with self._lock:
             self.table.free(seq_id, self.clients.check(credential))
             self._publish_blocks_used()
+
+    def fork(self, credential: str, seq_id: str, num_tokens: int | None = None) -> str:
+        """A new sequence of the caller sharing the first ``num_tokens`` of its ``seq_id`` (cluster/prefix_sharing.py)."""
+        with self._lock:
+            return self.sharing.fork(self.clients.check(credential), seq_id, num_tokens)
+
+    def share(self, credential: str, seq_id: str, num_tokens: int | None = None, ttl_s: float = 3600.0) -> str:
+        """A token another client passes to fork_shared to fork the caller's ``seq_id``."""
+        with self._lock:
+            return self.sharing.share(self.clients.check(credential), seq_id, num_tokens, ttl_s)
+
+    def fork_shared(self, credential: str, token: str) -> str:
+        """A new sequence of the caller holding the prefix a share token grants."""
+        with self._lock:
+            return self.sharing.fork_shared(self.clients.check(credential), token)
 
     def list_sequences(self, credential: str) -> dict[str, int]:
         with self._lock:
@@ -238,7 +256,7 @@ class Coordinator:
             self.table.check_quota(client_id, num_tokens)
             growth = self.table.grow([seq], [seq.length + num_tokens])
             plans = plan_step(self.table.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
-                              self.incarnation, self._shard_secret)
+                              self.incarnation, self._shard_secret, growth)
             self.table.begin([seq], -1)
             shards = list(self.shard_set.handles)
         try:
@@ -249,6 +267,7 @@ class Coordinator:
             raise
         with self._lock:
             self.table.commit([seq.seq_id], [seq.length + num_tokens], seq.last_step)
+            self.table.finish(growth)
             return seq.length
 
     # Steps ----------------------------------------------------------------------------------------
@@ -291,7 +310,8 @@ class Coordinator:
             step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
             try:
                 runs = decode_run.plan_steps(self.table.allocator, seqs, lengths, list(request.values()), step_ids,
-                                             self.config, self.incarnation, self._shard_secret)
+                                             self.config, self.incarnation, self._shard_secret,
+                                             [growth, *later_growths])
             except BaseException:
                 for g in reversed([growth, *later_growths]):
                     self.table.undo(g, [s.seq_id for s in seqs], step_ids[0])
@@ -374,6 +394,8 @@ class Coordinator:
         self.steps.close(step, committed=committed, drain=drain)
         if step.done:
             self.table.commit(step.seq_ids, step.lengths_after(step.done), step.step_id + step.done - 1, True)
+        for growth in [step.growth, *step.later_growths][:step.done]:
+            self.table.finish(growth)   # copy on write: the committed steps drop the shared pages they copied
         for growth in step.growths_from(step.done):
             self.table.undo(growth, step.seq_ids, step.step_id)
         if committed:

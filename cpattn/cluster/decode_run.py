@@ -54,12 +54,15 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
 
 
 def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
-               step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str) -> list[list[ShardStepPlan]]:
-    """Every rank's plan of each step (a plain step: one); every page is allocated, so the block tables
-    gathered for the first step serve all (gathering them again was 60% of a run's plan)."""
+               step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str,
+               growths: list[Growth]) -> list[list[ShardStepPlan]]:
+    """Every rank's plan of each step (a plain step: one; ``growths[j]`` its pages, with any copy on write);
+    every page is allocated, so the block tables gathered for the first step serve all (gathering them again
+    was 60% of a run's plan)."""
     tables: dict = {}
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
-                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, cfg.row_window(), tables)
+                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, cfg.row_window(),
+                      growths[j], tables)
             for j, step_id in enumerate(step_ids)]
 
 

@@ -3,7 +3,14 @@ plain string it holds, so one sequence can never appear twice in a request under
 
 from __future__ import annotations
 
+import secrets
+
 from cpattn.errors import InvalidRequestError
+
+
+def new_sequence_id() -> str:
+    """A fresh sequence id; unguessable, because with its owner's credential the id is the capability."""
+    return "seq-" + secrets.token_urlsafe(16)
 
 
 def canonical_id(seq_id):

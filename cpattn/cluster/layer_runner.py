@@ -15,13 +15,14 @@ import torch
 
 from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.attention.cascade_plan import merge_prefix_rows, split_shared_prefixes
 from cpattn.attention.merge_triton import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import PageScaleWrites, is_fp8
-from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
+from cpattn.kvstore import copy_pages, expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 
 @dataclass
@@ -36,6 +37,10 @@ class PlannedStep:
     """(R,) int64 on the device, None = all T rows."""
     scale_writes: PageScaleWrites | None = None
     """Dynamic fp8 scales: the pages this step writes (grown per layer before the write)."""
+    copies: torch.Tensor | None = None
+    """[C, 2] int64 on the device: pages each layer copies before its KV update (copy on write)."""
+    prefix_pass: tuple[Any, torch.Tensor] | None = None
+    """(plan, rows on the device): shared prefixes read once per layer (attention/cascade_plan.py); None: none."""
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
@@ -68,6 +73,11 @@ class ShardLayerRunner:
                              tuple(config.layer_soft_caps()))
         self.builder = backend_cls.get_builder_cls()(spec)
         self.impl = backend_cls.get_impl_cls()(spec)
+        # Forks in one step share prefix pages: read them once (cascade). TORCH does it inside its own loop;
+        # others get the split of cascade_plan.py, which windows cannot use (their key ranges start at 0).
+        self.split_prefixes = (not getattr(backend_cls, "reads_shared_prefix_once", False)
+                               and not any(w is not None for w in config.layer_windows()))
+        self._prefix_builder = None   # its own builder: a FlashInfer builder's wrappers hold one plan each
 
     def new_graphs(self) -> DecodeGraphs | None:
         """A set of decode graphs for one caller that runs one step at a time (a client's connection), or
@@ -82,6 +92,14 @@ class ShardLayerRunner:
             # Slots are token addresses, identical under both page sizes; only the table changes.
             md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
                                                        self.kernel_block_size)
+        split = split_shared_prefixes(md, self.kernel_block_size) if self.split_prefixes else None
+        prefix_pass = None
+        if split is not None:
+            md = split.suffix
+            if self._prefix_builder is None:
+                self._prefix_builder = type(self.builder)(self.builder.spec)
+            prefix_pass = (self._prefix_builder.build(0, split.prefix.to(self.device)), split.rows.to(self.device))
+            graphs = None   # the graphs capture one pass per layer
         attn_md = self.builder.build(0, md.to(self.device))
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         rows = None if plan.rows is None else plan.rows.to(self.device)
@@ -91,7 +109,8 @@ class ShardLayerRunner:
         if self.kv_format is not None and self.config.kv_scales is None:
             slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
             scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, graphs)
+        copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +118,11 @@ class ShardLayerRunner:
 
         No host synchronisation and no Python work that grows with T: every index was planned.
         """
+        if step.copies is not None:
+            copy_pages(self.kv_caches[layer], step.copies)   # copy on write: before this layer's KV update
+            if self.kv_format is not None:   # an fp8 page's scales go with its bytes ([2, pages, Hk] per layer)
+                scale = self.kv_scales[layer]
+                scale.index_copy_(1, step.copies[:, 1], scale.index_select(1, step.copies[:, 0]))
         if step.graphs is not None:
             return step.graphs.run(layer, q_TQD, k_TKD, v_TKD)
         scale = None
@@ -113,6 +137,12 @@ class ShardLayerRunner:
         extra = {} if scale is None else {"kv_scale": scale}
         out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata, **extra)
         lse = to_natural_lse(lse.to(self.lse_dtype), self.backend.lse_base)
+        if step.prefix_pass is not None:   # after the pass above wrote the new K/V; its plan writes nothing
+            prefix_md, prefix_rows = step.prefix_pass
+            p_out, p_lse = self.impl.forward(layer, q_TQD[prefix_rows], k_TKD[prefix_rows], v_TKD[prefix_rows],
+                                             kv_cache, prefix_md, **extra)
+            out, lse = merge_prefix_rows(out, lse, prefix_rows, p_out,
+                                         to_natural_lse(p_lse.to(self.lse_dtype), self.backend.lse_base))
         if step.pieces.numel():
             new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
             out, lse = merge_partials(torch.stack([out, new_out.to(out.dtype)]),

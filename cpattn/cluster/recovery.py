@@ -3,11 +3,13 @@
 With two replicas, shard r's tokens also live on ``replica_holder(r)`` in rows laid out like the
 primary, so refilling is a page-for-page copy: the holder's replica pages -> the new shard's
 primary pages, and the primary pages of ``primary_of(r)`` -> the new shard's replica pages.
+A page forked sequences share is listed once (its rows share it on the holder too), so a shared
+prefix is rebuilt once, not once per fork.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpattn.kvstore.sharded_allocator import SequenceRows, ShardedKVAllocator
 
@@ -19,6 +21,8 @@ class PageCopy:
     src: int
     src_blocks: list[int]
     dst_blocks: list[int]
+    seen: set[int] = field(default_factory=set, repr=False)
+    """Pages of ``dst_blocks`` (a shared page is rebuilt once)."""
 
 
 def refill_copies(allocator: ShardedKVAllocator, rows: list[SequenceRows], rank: int) -> list[PageCopy]:
@@ -29,12 +33,18 @@ def refill_copies(allocator: ShardedKVAllocator, rows: list[SequenceRows], rank:
     for seq in rows:
         if seq.replica is None:
             raise ValueError("refill needs replicated sequences (kv_replicas=2)")
-        dst = allocator.tables[rank].row(seq.primary[rank])
-        src = allocator.tables[holder].row(seq.replica[holder])
-        primary.src_blocks += src[:len(dst)]
-        primary.dst_blocks += dst[:len(src)]
-        dst = allocator.tables[rank].row(seq.replica[rank])
-        src = allocator.tables[owner].row(seq.primary[owner])
-        replica.src_blocks += src[:len(dst)]
-        replica.dst_blocks += dst[:len(src)]
+        _add_pairs(primary, allocator.tables[holder].row(seq.replica[holder]),
+                   allocator.tables[rank].row(seq.primary[rank]))
+        _add_pairs(replica, allocator.tables[owner].row(seq.primary[owner]),
+                   allocator.tables[rank].row(seq.replica[rank]))
     return [c for c in (primary, replica) if c.dst_blocks]
+
+
+def _add_pairs(copy: PageCopy, src: list[int], dst: list[int]) -> None:
+    """Page i of ``src`` -> page i of ``dst``, for the pages ``copy`` does not rebuild yet."""
+    seen = copy.seen
+    for s, d in zip(src, dst):
+        if d not in seen:
+            seen.add(d)
+            copy.src_blocks.append(s)
+            copy.dst_blocks.append(d)

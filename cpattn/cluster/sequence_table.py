@@ -181,7 +181,29 @@ class SequenceTable:
 
     def grow(self, seqs: list[Sequence], new_lengths: list[int]) -> Growth:
         """Pages for every sequence's new length; CapacityError before changing anything."""
-        return self.allocator.grow([(s.rows, n) for s, n in zip(seqs, new_lengths)])
+        growth = self.allocator.grow([(s.rows, n) for s, n in zip(seqs, new_lengths)], [s.length for s in seqs])
+        if growth.copies:
+            copied = {(c.shard, c.row) for c in growth.copies}
+            for seq in seqs:
+                rows = set(enumerate(seq.rows.primary)) | set(enumerate(seq.rows.replica or ()))
+                if copied & rows:
+                    seq.pages_version += 1     # a page a client may hold was replaced by its copy (page_delta.py)
+                    seq.persisted_pages = -1   # same page count, other pages: the journal must rewrite them
+        return growth
+
+    def finish(self, growth: Growth) -> None:
+        """After a commit: drop the references to shared pages the step copied (copy on write)."""
+        self.allocator.finish(growth)
+
+    def fork(self, source: Sequence, owner: str, seq_id: str, num_tokens: int) -> Sequence:
+        """A new sequence of ``owner`` whose first ``num_tokens`` tokens are ``source``'s, sharing its pages."""
+        if not self.allocator.can_add_row():
+            raise InvalidRequestError(f"the service holds max_sequences={self.config.max_sequences} sequences: "
+                                      "free some or raise max_sequences")
+        seq = Sequence(seq_id, owner, self.allocator.fork_rows(source.rows, num_tokens), num_tokens)
+        self.sequences[seq_id] = seq
+        self.persist([seq])
+        return seq
 
     @staticmethod
     def begin(seqs: list[Sequence], step_id: int) -> None:

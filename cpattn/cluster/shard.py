@@ -27,6 +27,7 @@ from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
+from cpattn.kvstore import copy_pages
 from cpattn.kvstore.fp8 import PageScaleWrites, dequantize, fp8_dtype, initial_page_scales, is_fp8, page_scales_of, quantize
 
 logger = logging.getLogger("cpattn.shard")
@@ -249,11 +250,14 @@ class ShardWorker:
         slots = plan.metadata.slot_mapping.to(self.device)
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         hk, d = self.config.num_kv_heads, self.config.head_size
+        copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
         for layer, cache in enumerate(self.kv_caches):
             if not self._fence.enter(plan.incarnation):
                 raise StepFencedError(f"shard {self.bundle_index}: fill_synthetic of coordinator incarnation "
                                       f"{plan.incarnation} was fenced by a restarted coordinator: fill again")
             try:
+                if copies is not None:
+                    copy_pages(cache, copies)   # copy on write of a forked prefix's shared page
                 for start in range(0, plan.num_tokens, SYNTHETIC_CHUNK):
                     n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
                     k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)

@@ -9,7 +9,7 @@ import torch
 
 from cpattn.attention.metadata import CommonAttentionMetadata, make_dcp_context_metadata
 from cpattn.attention.pcp import plan_causal_pieces
-from cpattn.kvstore.sharded_allocator import SequenceRows, ShardedKVAllocator
+from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator
 
 
 @dataclass
@@ -28,6 +28,9 @@ class ShardStepPlan:
     """The planning coordinator's incarnation: shards refuse to write for a fenced one (cluster/fencing.py)."""
     auth: str | None = None
     """The service's shard secret: only the coordinator hands out plans (a shard refuses others)."""
+    page_copies: torch.Tensor | None = None
+    """[C, 2] int64 (shared page, its private copy): copied in every layer before its KV update (copy on write
+    of a forked prefix's partly filled page; kvstore/sharded_allocator.py). None: nothing to copy."""
     rows: torch.Tensor | None = None
     """(R,) int64 sorted: the query rows this shard computes (local context or a causal piece); None = all T.
     Only these rows travel back to the client, so a prefill rank returns its share, not [T, Hq, D]."""
@@ -48,13 +51,14 @@ class StepRequest:
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
-              auth: str | None = None, row_window: int | None = None,
+              auth: str | None = None, row_window: int | None = None, growth: Growth | None = None,
               tables: dict | None = None) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
     secret the plans carry (a shard runs only plans of its coordinator). ``row_window``: every layer's window
     is at most this (ServiceConfig.row_window): a rank computes and sends no row for a query it holds no key of
-    within it. ``tables``: block tables gathered by an earlier plan of the same sequences and pages (a decode
-    run's steps), reused instead of gathered again."""
+    within it. ``growth``: the step's allocation, whose copy-on-write pages each shard copies. ``tables``: block
+    tables gathered by an earlier plan of the same sequences and pages (a decode run's steps), reused instead
+    of gathered again."""
     tables = {} if tables is None else tables
 
     def gather(rank: int, replica: bool) -> torch.Tensor:
@@ -80,8 +84,9 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
             replica_table = gather(rank, True)
             replica_slots = make_dcp_context_metadata(query_lens, context_lens, replica_table, allocator.block_size,
                                                       n, owner, allocator.interleave).slot_mapping
+        copies = growth.copies_on(rank) if growth is not None and growth.copies else None
         plans.append(ShardStepPlan(step_id=step_id, num_tokens=sum(query_lens), metadata=md,
-                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots,
+                                   causal_pieces=pieces[rank], replica_slot_mapping=replica_slots, page_copies=copies,
                                    rows=computed_rows(md.query_lens_cpu, md.seq_lens_cpu, pieces[rank],
                                                       md.window_key_start(row_window)),
                                    incarnation=incarnation, auth=auth))

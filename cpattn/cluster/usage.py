@@ -1,5 +1,8 @@
 """What ``stats()`` reports: per shard its pages, tokens and bytes, per client its sequences and tokens.
 
+Pages are physical: a page forked sequences share counts once in ``blocks_used`` and ``bytes`` (and
+``blocks_shared`` says how many are shared); ``tokens`` are logical, each sequence's own count.
+
 A pure function of the coordinator's state owners (called under the coordinator's lock).
 """
 
@@ -22,6 +25,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
         pool = table.allocator.pools[rank]
         info = infos[rank] if rank < len(infos) else {}
         shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
+                       "blocks_shared": pool.num_shared_blocks,
                        "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
                        "tokens": table.tokens_on(rank), "bytes": pool.num_used_blocks * bytes_per_block,
                        **{k: info.get(k) for k in ("node_ip", "node_id", "device", "backend")},

@@ -33,6 +33,7 @@ class BlockPool:
         self._head = 0
         self._num_free = num_blocks
         self._ref_counts = array("i", bytes(4 * num_blocks))
+        self._num_shared = 0   # blocks with refcount >= 2 (pages forked sequences share)
 
     @property
     def num_free_blocks(self) -> int:
@@ -41,6 +42,11 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self._num_free
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Used blocks referenced more than once (a forked prefix): each counts once in ``num_used_blocks``."""
+        return self._num_shared
 
     def can_allocate(self, num_blocks: int) -> bool:
         return 0 <= num_blocks <= self._num_free
@@ -67,16 +73,20 @@ class BlockPool:
         self._num_free += 1
 
     def take(self, blocks: list[int]) -> None:
-        """Mark specific free blocks as allocated (restoring persisted state)."""
+        """Mark specific free blocks as allocated (restoring persisted state); an id listed k times gets
+        refcount k (k sequences share it). One call per pool: every reference at once."""
+        counts: dict[int, int] = {}
         for b in blocks:
+            counts[b] = counts.get(b, 0) + 1
+        for b in counts:
             if not 0 <= b < self.num_blocks or self._ref_counts[b] != 0:
                 raise CpattnError(f"cannot take block {b}: out of range or already in use")
-        taken = set(blocks)
-        free = [b for b in self._ring_range(self._head, self._num_free) if b not in taken]
+        free = [b for b in self._ring_range(self._head, self._num_free) if b not in counts]
         self._ring[:len(free)] = array("i", free)
         self._head, self._num_free = 0, len(free)
-        for b in blocks:
-            self._ref_counts[b] = 1
+        for b, n in counts.items():
+            self._ref_counts[b] = n
+            self._num_shared += n >= 2
 
     def _ring_range(self, start: int, count: int) -> list[int]:
         """``count`` ring entries from ``start`` on, wrapping around."""
@@ -90,6 +100,7 @@ class BlockPool:
         self._check_owned(blocks, "incref")
         for b in blocks:
             self._ref_counts[b] += 1
+            self._num_shared += self._ref_counts[b] == 2
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block returns to the pool at refcount 0.
@@ -104,6 +115,7 @@ class BlockPool:
                 raise CpattnError(f"double free of block {b} (refcount {self._ref_counts[b]})")
         for b in blocks:
             self._ref_counts[b] -= 1
+            self._num_shared -= self._ref_counts[b] == 1
             if self._ref_counts[b] == 0:
                 self._push_free(b)
 

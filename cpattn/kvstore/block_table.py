@@ -94,6 +94,14 @@ class BlockTable:
         self._free_rows.append(row)
         return dropped
 
+    def replace(self, row: int, index: int, block: int) -> int:
+        """Put ``block`` at ``index`` of the row (a copy-on-write page); return the id it replaces."""
+        if not 0 <= index < self.num_blocks[row]:
+            raise InvalidRequestError(f"row {row} holds {self.num_blocks[row]} blocks: no index {index} to replace")
+        old = int(self.rows_RW[row, index])
+        self.rows_RW[row, index] = block
+        return old
+
     def row(self, row: int) -> list[int]:
         return self.rows_RW[row, :self.num_blocks[row]].tolist()
 

@@ -6,11 +6,19 @@ tokens, in a second row laid out exactly like the primary (same local positions)
 shard is refilled page for page. Growing a set of sequences is checked on every shard before
 any pool changes, so a request that does not fit raises CapacityError and leaves all pools and
 tables as they were. Each growth returns an undo record that restores them exactly (rollback).
+
+Forked sequences (``fork_rows``) share their source's pages by reference count, on every shard and
+replica row. A step that writes into a shared page (the partly filled last page of a shared prefix)
+first gets a private copy of it (copy on write): ``grow`` allocates the copy and puts it in the row,
+the step's plan tells the shard to copy the page's KV before writing, and the row's reference to the
+shared page is dropped only when the step commits (``finish``), so a rollback puts it back untouched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from cpattn.errors import CapacityError
 from cpattn.kvstore.block_pool import BlockPool
@@ -27,11 +35,29 @@ class SequenceRows:
     replica: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class CopyOnWrite:
+    """Row ``row`` of shard ``shard`` writes into page ``index``, which it shared (``shared``): it gets ``copy``."""
+
+    shard: int
+    row: int
+    index: int
+    shared: int
+    copy: int
+
+
 @dataclass
 class Growth:
-    """What one grow() allocated: (shard, row, previous number of blocks) per touched row."""
+    """What one grow() allocated: (shard, row, previous number of blocks) per touched row, and the
+    copy-on-write pages it put in place of shared ones."""
 
     rows: list[tuple[int, int, int]] = field(default_factory=list)
+    copies: list[CopyOnWrite] = field(default_factory=list)
+
+    def copies_on(self, shard: int) -> torch.Tensor:
+        """[C, 2] int64 (shared page, its copy) the shard copies before the step writes (all layers)."""
+        pairs = [(c.shared, c.copy) for c in self.copies if c.shard == shard]
+        return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
 
 
 class ShardedKVAllocator:
@@ -82,27 +108,52 @@ class ShardedKVAllocator:
         replica = tuple(t.add_row() for t in self.tables) if self.replicas == 2 else None
         return SequenceRows(primary, replica)
 
-    def needed_blocks(self, growths: list[tuple[SequenceRows, int]]) -> list[int]:
-        """Blocks each shard must allocate to grow each (rows, new_len)."""
+    def shared_page_written(self, shard: int, row: int, owner: int, old_len: int, new_len: int) -> int | None:
+        """Index of a page the row shares with another sequence that growing old_len -> new_len writes into
+        (its partly filled last page), else None. Only that page can be: later tokens go to new pages."""
+        local_old = self.local_tokens(old_len, owner)
+        if local_old % self.block_size == 0 or self.local_tokens(new_len, owner) == local_old:
+            return None
+        index = local_old // self.block_size
+        table = self.tables[shard]
+        if index >= table.num_blocks[row]:
+            return None
+        return index if self.pools[shard].ref_count(int(table.rows_RW[row, index])) > 1 else None
+
+    def needed_blocks(self, growths: list[tuple[SequenceRows, int]],
+                      old_lengths: list[int] | None = None) -> list[int]:
+        """Blocks each shard must allocate to grow each (rows, new_len), copy-on-write pages included
+        when the lengths before (``old_lengths``) are given."""
         need = [0] * self.num_shards
-        for rows, new_len in growths:
+        for i, (rows, new_len) in enumerate(growths):
             for shard, row, owner in self._entries(rows):
                 need[shard] += max(0, self.blocks_for(new_len, owner) - self.tables[shard].num_blocks[row])
+                if old_lengths is not None:
+                    need[shard] += self.shared_page_written(shard, row, owner, old_lengths[i], new_len) is not None
         return need
 
-    def grow(self, growths: list[tuple[SequenceRows, int]]) -> Growth:
-        """Give every (rows, new_len) the pages it needs; all shards or none."""
-        need = self.needed_blocks(growths)
+    def grow(self, growths: list[tuple[SequenceRows, int]], old_lengths: list[int] | None = None) -> Growth:
+        """Give every (rows, new_len) the pages it needs; all shards or none. With ``old_lengths`` (each
+        sequence's length before), a shared page the growth writes into is replaced by a copy."""
+        need = self.needed_blocks(growths, old_lengths)
         for r, n in enumerate(need):
             if not self.pools[r].can_allocate(n):
-                free = self.pools[r].num_free_blocks
+                pool = self.pools[r]
+                free, shared = pool.num_free_blocks, pool.num_shared_blocks
                 raise CapacityError(
                     f"shard {r} needs {n} more KV blocks for this step but has {free} free "
-                    f"(of {self.pools[r].num_blocks}): free finished sequences, shorten the step, "
+                    f"(of {pool.num_blocks}; {shared} of its used blocks are shared by forked sequences and "
+                    "count once): free finished sequences, shorten the step, "
                     "or raise num_blocks_per_shard / num_shards", shard=r, needed=n, free=free)
         undo = Growth()
-        for rows, new_len in growths:
+        for i, (rows, new_len) in enumerate(growths):
             for shard, row, owner in self._entries(rows):
+                index = None if old_lengths is None else self.shared_page_written(shard, row, owner,
+                                                                                    old_lengths[i], new_len)
+                if index is not None:
+                    copy = self.pools[shard].allocate(1)[0]
+                    shared = self.tables[shard].replace(row, index, copy)
+                    undo.copies.append(CopyOnWrite(shard, row, index, shared, copy))
                 have = self.tables[shard].num_blocks[row]
                 extra = self.blocks_for(new_len, owner) - have
                 if extra > 0:
@@ -114,6 +165,26 @@ class ShardedKVAllocator:
         """Return what ``grow`` allocated; tables and pools end exactly as before it."""
         for r, row, had in reversed(growth.rows):
             self.pools[r].free(self.tables[r].truncate(row, had))
+        for c in reversed(growth.copies):
+            self.tables[c.shard].replace(c.row, c.index, c.shared)
+            self.pools[c.shard].free([c.copy])
+        growth.rows, growth.copies = [], []
+
+    def finish(self, growth: Growth) -> None:
+        """The growth's step committed: rows that copied a shared page drop their reference to it."""
+        for c in growth.copies:
+            self.pools[c.shard].free([c.shared])
+        growth.rows, growth.copies = [], []
+
+    def fork_rows(self, source: SequenceRows, num_tokens: int) -> SequenceRows:
+        """Rows of a new sequence whose first ``num_tokens`` tokens are ``source``'s: the pages holding them
+        are shared (one more reference each, on every shard and replica row), none is copied."""
+        rows = self.add_rows()
+        for (shard, src_row, owner), (_, dst_row, _) in zip(self._entries(source), self._entries(rows)):
+            pages = self.tables[shard].row(src_row)[:self.blocks_for(num_tokens, owner)]
+            self.pools[shard].incref(pages)
+            self.tables[shard].append(dst_row, pages)
+        return rows
 
     def release(self, rows: SequenceRows) -> None:
         """Free a sequence's pages on every shard and make its rows reusable."""
@@ -125,11 +196,15 @@ def restore_allocator(allocator: ShardedKVAllocator, sequences: list[tuple[Seque
     """Fill a fresh allocator from persisted (rows, committed length, {(shard, row): pages}).
 
     Pages beyond what the committed length needs (a step that never committed) are dropped, so
-    they return to the free pool.
+    they return to the free pool. A page several sequences list (a forked prefix) gets one reference
+    per sequence, so forks survive a restart exactly as they were shared.
     """
+    taken: list[list[int]] = [[] for _ in range(allocator.num_shards)]
     for rows, length, pages in sequences:
         for shard, row, owner in allocator._entries(rows):
             keep = pages.get((shard, row), [])[:allocator.blocks_for(length, owner)]
-            allocator.pools[shard].take(keep)
+            taken[shard] += keep
             allocator.tables[shard].claim_row(row)
             allocator.tables[shard].append(row, keep)
+    for shard, blocks in enumerate(taken):
+        allocator.pools[shard].take(blocks)

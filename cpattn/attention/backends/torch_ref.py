@@ -8,11 +8,13 @@ Legend: T tokens, Q query heads, K kv heads, G = Q / K, D head size, L keys of o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, write_kv_cache)
+from cpattn.attention.cascade import SharedPrefix, cascade_forward, find_shared_prefixes
 from cpattn.attention.merge import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.errors import InvalidRequestError
@@ -137,9 +139,19 @@ def gather_request_kv(kv_cache_2NBKD: torch.Tensor, block_row: torch.Tensor, seq
     return k, v
 
 
+@dataclass
+class TorchAttentionMetadata(CommonAttentionMetadata):
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+    """Requests reading the same first pages (forked sequences): attended as a cascade (attention/cascade.py)."""
+
+
 class TorchMetadataBuilder(AttentionMetadataBuilder):
-    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
-        return common.to(self.spec.device)
+    def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        md = common.to(self.spec.device)
+        visible = md.seq_lens_cpu - md.query_lens_cpu if md.causal else md.context_lens_cpu
+        block_size = self.spec.block_size
+        prefixes = find_shared_prefixes(md.block_table_tensor, visible, block_size, min_keys=block_size)
+        return TorchAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, shared_prefixes=prefixes)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -157,9 +169,16 @@ class TorchAttentionImpl(AttentionImpl):
         lens = md.seq_lens_cpu.tolist()
         key_start_T = md.window_key_start(self.spec.window(layer))
         block_size = kv_cache.shape[2]
+        done = set()
+        if key_start_T is None and getattr(md, "shared_prefixes", ()):   # windows read their own pages anyway
+            done = cascade_forward(
+                q_TQD, kv_cache, md.block_table_tensor, qsl, lens, md.causal, md.shared_prefixes,
+                lambda row, n, first: gather_request_kv(kv_cache, row, n, first, kv_scale if fp8 else None, compute),
+                lambda q, k, v, offset: dense_attention(q, k, v, self.spec.scale, offset, self.spec.soft_cap(layer)),
+                out, lse)
         for r in range(md.num_reqs):
             qs, qe, seq_len = qsl[r], qsl[r + 1], lens[r]
-            if qe == qs or seq_len == 0:
+            if qe == qs or seq_len == 0 or r in done:
                 continue
             first = 0
             if key_start_T is not None:
@@ -190,6 +209,7 @@ class TorchReferenceBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")   # dequantised before float32/64 math
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    reads_shared_prefix_once = True   # cascade inside forward (attention/cascade.py): no split by the shard
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):

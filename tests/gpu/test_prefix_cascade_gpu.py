@@ -1,0 +1,58 @@
+"""Forks on a GPU shard: the cascade split of block-table kernels (attention/cascade_plan.py: suffix pass, then
+one prefix pass per group of forks, merged by LSE) against the same kernel's plain context pass, copy on write
+included. Run on the GPU machine: ``python3 -m pytest -q tests/gpu/test_prefix_cascade_gpu.py``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cpattn
+from cpattn.attention.selector import get_attn_backend
+from cpattn.cluster.layer_runner import ShardLayerRunner
+from cpattn.cluster.step_planner import StepRequest, plan_step
+from cpattn.errors import BackendUnavailableError
+from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+
+pytestmark = pytest.mark.gpu
+HQ, HK, D, BLOCK = 32, 8, 128, 16
+
+
+@pytest.mark.parametrize("name", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
+@pytest.mark.parametrize("num_shards,interleave", [(2, 1), (3, 16)])
+def test_split_equals_the_plain_context_pass(name, num_shards, interleave):
+    try:
+        cls = get_attn_backend(name, head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ,
+                               num_kv_heads=HK, device="cuda")
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{name} unavailable here: {exc.reasons}")
+    cfg = cpattn.ServiceConfig(num_shards=num_shards, num_layers=1, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
+                               block_size=BLOCK, dtype="bfloat16", backend=name, device="cuda",
+                               dcp_interleave=interleave, num_blocks_per_shard=4096)
+    alloc = ShardedKVAllocator(num_shards, 4096, BLOCK, interleave, max_rows=32)
+    source = alloc.add_rows()
+    alloc.finish(alloc.grow([(source, 20000)], [0]))
+    forks = [alloc.fork_rows(source, n) for n in [20000] * 14 + [12345]]
+    rows, lengths = [source] + forks, [20000] * 15 + [12345]
+    growth = alloc.grow([(r, n + 1) for r, n in zip(rows, lengths)], lengths)
+    plans = plan_step(alloc, [StepRequest(r, n, 1) for r, n in zip(rows, lengths)], 1, False, 2048, growth=growth)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(len(rows), h, D, generator=g, device="cuda").to(torch.bfloat16) for h in (HQ, HK, HK))
+    for plan in plans:
+        cache = torch.randn(cls.get_kv_cache_shape(4096, BLOCK, HK, D), generator=g, device="cuda").to(torch.bfloat16)
+        results = []
+        for split in (True, False):
+            caches = [cache.clone()]
+            runner = ShardLayerRunner(cfg, cls, caches, torch.device("cuda"))
+            runner.split_prefixes = split
+            planned = runner.plan(copy.deepcopy(plan))
+            assert (planned.prefix_pass is not None) == split
+            out, lse = runner.run_layer(planned, 0, q, k, v)
+            torch.cuda.synchronize()
+            results.append((out.float(), lse.float(), caches[0]))
+        (out_a, lse_a, cache_a), (out_b, lse_b, cache_b) = results
+        assert (out_a - out_b).abs().max().item() < 2e-2
+        assert (lse_a - lse_b).abs().max().item() < 2e-2
+        assert torch.equal(cache_a, cache_b)
