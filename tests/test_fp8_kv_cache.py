@@ -14,7 +14,7 @@ import torch
 
 from cpattn import ServiceConfig
 from cpattn.attention import get_attn_backend
-from cpattn.cluster.gateway import merge_rows
+from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step

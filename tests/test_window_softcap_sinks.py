@@ -14,7 +14,7 @@ import torch
 
 from cpattn.attention import AttentionSpec, apply_sinks, make_causal_metadata, make_dcp_context_metadata
 from cpattn.attention import merge_attn_states
-from cpattn.attention.backends import torch_ref
+from cpattn.attention.ops import reference as ref_ops
 from cpattn.attention.backends.torch_ref import TorchReferenceBackend
 from cpattn.kvstore import BlockPool, BlockTable, dcp_local_seq_lens
 from tests.reference import attention_with_visibility, window_visibility
@@ -80,18 +80,18 @@ def _step(shards, q, keys, values, context_lens, query_lens, window, cap, sinks,
     outs, lses = [], []
     for s in shards:
         reads = []
-        real = torch_ref.gather_request_kv
+        real = ref_ops.gather_request_kv
 
         def counting(cache, row, seq_len, first_key=0, *args, **kwargs):
             k, v = real(cache, row, seq_len, first_key, *args, **kwargs)
             reads.append(k.shape[0])
             return k, v
 
-        torch_ref.gather_request_kv = counting
+        ref_ops.gather_request_kv = counting
         try:
             o, l = s.context_partial(q, k_new, v_new, query_lens, context_lens)
         finally:
-            torch_ref.gather_request_kv = real
+            ref_ops.gather_request_kv = real
         if window is not None:
             # Skipped requests read nothing; the others read from the window's first page on, never before.
             expected = [r for r in _expected_reads(world, interleave, s.rank, context_lens, query_lens, window)

@@ -26,8 +26,8 @@ from typing import Any
 import ray
 import torch
 
-from cpattn.attention import apply_sinks, get_attn_backend
-from cpattn.attention.merge_triton import merge_partials
+from cpattn.attention import get_attn_backend
+from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
@@ -396,30 +396,4 @@ class Gateway:
             logger.warning("closing client %s: %s", self.client_id, exc)
 
 
-def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int,
-               sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
-    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more.
-    Sink logits (``sinks_Q``), when given, enter the merged state once."""
-    if sinks_Q is not None:
-        return apply_sinks(*_merge_rows_lse(parts, num_tokens), sinks_Q)[0]
-    return _merge_rows_lse(parts, num_tokens)[0]
-
-
-def _merge_rows_lse(parts, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(parts) == 1 and parts[0][0] is None:
-        return parts[0][1], parts[0][2]
-    _, first, first_lse = parts[0]
-    if all(rows is None for rows, _, _ in parts):
-        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))
-    outs_NTQD = first.new_zeros((len(parts), num_tokens) + tuple(first.shape[1:]))
-    lses_NTQ = first_lse.new_full((len(parts), num_tokens) + tuple(first_lse.shape[1:]), float("-inf"))
-    for n, (rows, out, lse) in enumerate(parts):
-        if rows is None:
-            outs_NTQD[n], lses_NTQ[n] = out, lse
-        else:
-            outs_NTQD[n].index_copy_(0, rows, out)
-            lses_NTQ[n].index_copy_(0, rows, lse)
-    return merge_partials(outs_NTQD, lses_NTQ)
-
-
-__all__ = ["Gateway", "StepWire", "PendingCommit", "merge_rows", "choose_data_plane", "client_device"]
+__all__ = ["Gateway", "StepWire", "PendingCommit", "choose_data_plane", "client_device"]

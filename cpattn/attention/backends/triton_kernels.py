@@ -239,7 +239,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
     ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
     ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step)."""
-    from cpattn.attention.merge import LseBase
+    from cpattn.attention.ops.lse import LseBase
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
     num_tok = tok_idx.numel()
