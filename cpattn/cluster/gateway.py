@@ -26,7 +26,7 @@ from typing import Any
 import ray
 import torch
 
-from cpattn.attention import get_attn_backend
+from cpattn.attention import select_backend
 from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
@@ -189,9 +189,7 @@ class Gateway:
         for rank in local_ranks:
             handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
                            "export_kv")
-            backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
-                                       block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
-                                       num_kv_heads=cfg.num_kv_heads, device=self.device, **cfg.backend_features())
+            backend = select_backend(cfg, self.device, backend=infos[rank]["backend"])
             try:
                 caches = [open_shared_cache(h, self.device) for h in handles]
             except RuntimeError as exc:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cpattn.attention import get_attn_backend, write_kv_cache
+from cpattn.attention import select_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
@@ -87,10 +87,7 @@ class ShardWorker:
         else:
             torch.set_num_threads(max(1, int(config.num_cpus_per_shard)))
         self.dtype = config.torch_dtype
-        self.backend = get_attn_backend(
-            config.backend, head_size=config.head_size, dtype=self.dtype, block_size=config.block_size,
-            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device,
-            **config.backend_features())
+        self.backend = select_backend(config, self.device)
         self.num_blocks = config.blocks_per_shard()
         shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
                                                 config.head_size)

@@ -31,14 +31,12 @@ CONTROL_THREADS = 4
 
 def probe_backend(config: ServiceConfig, backend_registry: dict | None) -> str:
     """Select the shards' backend as a shard would; raises BackendUnavailableError with ``.reasons``."""
-    from cpattn.attention import get_attn_backend
+    from cpattn.attention import select_backend
     from cpattn.attention.registry import apply_registry_state
 
     if backend_registry:
         apply_registry_state(backend_registry)
-    return get_attn_backend(config.backend, head_size=config.head_size, dtype=config.torch_dtype,
-                            block_size=config.block_size, num_q_heads=config.num_q_heads,
-                            num_kv_heads=config.num_kv_heads, device=config.resolved_device()).get_name()
+    return select_backend(config).get_name()
 
 
 def shard_actor_name(service_name: str, bundle_index: int) -> str:
@@ -80,7 +78,7 @@ class ShardSet:
 
     def check_backend(self) -> None:
         """Before anything is placed: an explicit backend that cannot serve here raises BackendUnavailableError
-        with every reason (what get_attn_backend says), instead of shards dying in their constructors.
+        with every reason (what select_backend says), instead of shards dying in their constructors.
 
         CPU shards are checked in this process. GPU shards are checked by a probe task in the first bundle
         once the placement group is ready (``probe_backend_in_bundle``), since this process may have no GPU.

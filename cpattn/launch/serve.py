@@ -34,7 +34,7 @@ def serve(args: argparse.Namespace) -> int:
     from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
     from cpattn.launch import operator
 
-    check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
+    check_backend(cfg)   # a backend that cannot serve the settings fails before Ray starts, with every reason
     embedded = cfg.ray_address is None and not ray.is_initialized()
     started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
     operator_credential = new_operator_credential()
