@@ -257,11 +257,8 @@ class Step:
             raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
                                       "reach the KV cache (set nan_policy='allow' to accept them)")
         if not self._sync_commit:
-            from cpattn.cluster.gateway import PendingCommit
-
             self._close("committed")
-            self._gw.pending = PendingCommit(self._info["step_id"], self._request, self._replay, self.timings,
-                                             self._gw.end_step_async(self._info["step_id"]))
+            self._gw.defer_commit(self._info["step_id"], self._request, self._replay, self.timings)
             return
         while True:
             # The shards ended the step after the last layer; the coordinator commits it.

@@ -164,6 +164,10 @@ class Gateway:
     def end_step_async(self, step_id: int):
         return self.coordinator.end_step.remote(step_id, True, None, self.credential)
 
+    def defer_commit(self, step_id: int, request: dict[str, int], replay, timings: dict[str, float]) -> None:
+        """Send a step's commit without waiting for the answer; the next flush() reads it."""
+        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id))
+
     def flush(self) -> None:
         """Read the answer to a commit sent without waiting; replay or report a step that failed after all."""
         pending, self.pending = self.pending, None

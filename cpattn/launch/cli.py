@@ -16,10 +16,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from cpattn.launch.common import Parser
+from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, Parser
 
-# Fields set by their own flags (--name, --namespace, --address) or fixed by `serve` (detached).
-_SERVICE_FLAG_EXCLUDED = {"name", "namespace", "ray_address", "detached"}
 _PASSTHROUGH = {"bench": "cpattn.launch.bench", "demo": "cpattn.launch.demo"}
 _COMMANDS = {"serve": ("cpattn.launch.serve", "serve"), "status": ("cpattn.launch.status", "status"),
              "stop": ("cpattn.launch.status", "stop"), "list": ("cpattn.launch.status", "list_services"),
@@ -66,7 +64,7 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     docs = _field_docs()
     group = p.add_argument_group("service fields (override the YAML file)")
     for field, info in ServiceConfig.model_fields.items():
-        if field in _SERVICE_FLAG_EXCLUDED:
+        if field in SERVICE_FLAG_EXCLUDED:
             continue
         default = info.default
         group.add_argument("--" + field.replace("_", "-"), dest=field, default=None, metavar="V",

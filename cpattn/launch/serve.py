@@ -10,13 +10,12 @@ import threading
 import time
 
 from cpattn.config import ServiceConfig, load_config
-from cpattn.launch.cli import _SERVICE_FLAG_EXCLUDED
-from cpattn.launch.common import default_address
+from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, default_address
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """The service config: YAML file values, overridden by every flag given. Raises ConfigError."""
-    overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in _SERVICE_FLAG_EXCLUDED}
+    overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in SERVICE_FLAG_EXCLUDED}
     # --address, else RAY_ADDRESS (as every command), else the file's ray_address, else an embedded Ray.
     overrides.update(name=args.name, namespace=args.namespace, ray_address=default_address(args.address),
                      detached=True)
