@@ -41,7 +41,7 @@ def _seconds(default: float, doc_gt: float = 0):
 class ServiceConfig(BaseModel):
     """One cpattn service: how many shards, the model's attention geometry, and how to run it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)   # docstrings: --help
 
     num_shards: int = Field(4, ge=1, le=1024)
     """Shard actors; each owns an interleaved share (DCP) of every sequence's KV cache."""

@@ -17,10 +17,11 @@ from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.kv_scales import grow_scales
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
-from cpattn.kvstore.fp8 import dynamic_scales, is_fp8, rescale_cache
+from cpattn.kvstore.fp8 import is_fp8
 from cpattn.kvstore import expand_block_table, kernel_kv_view, select_common_kernel_block_size
 
 
@@ -99,9 +100,7 @@ class ShardLayerRunner:
             scale = self.kv_scales[layer]
             if self.config.kv_scales is None:
                 # Dynamic scales: every shard sees the whole step's K/V, so all compute the same growth.
-                grown = dynamic_scales(scale, k_TKD, v_TKD, self.kv_format)
-                rescale_cache(self.kv_caches[layer], scale, grown)
-                scale.copy_(grown)
+                grow_scales(self.kv_caches[layer], scale, k_TKD, v_TKD, self.kv_format)
         if step.replica_slots is not None:
             write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots, scale)
         kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)

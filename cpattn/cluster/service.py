@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import ray
 
@@ -11,8 +12,9 @@ from cpattn.attention.registry import registry_state
 from cpattn.cluster.authority import digest
 from cpattn.cluster.coordinator import RemoteCoordinator
 from cpattn.cluster.placement_wait import wait_for_start
+from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.config import ServiceConfig
-from cpattn.errors import AccessDeniedError, CpattnError, ServiceError
+from cpattn.errors import AccessDeniedError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
@@ -39,6 +41,20 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
 
         join_cluster(address, namespace)
     return True
+
+
+@contextmanager
+def ray_for(config: ServiceConfig):
+    """Ray for starting ``config``'s service (``ensure_ray``); yields whether this started it, and shuts the Ray it
+    started down again if the body raises (nothing half-started outlives a failed start)."""
+    started_ray = ensure_ray(config.ray_address, config.namespace,
+                             num_cpus_hint=config.num_shards * config.num_cpus_per_shard)
+    try:
+        yield started_ray
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
 
 
 def launch_coordinator(config: ServiceConfig, operator_credential: str):
@@ -80,8 +96,7 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
         if config.detached:   # a detached placement group outlives its creator: remove it if still there
             remove_leftovers(config)
         if isinstance(exc, ray.exceptions.RayTaskError):
-            if isinstance(exc.cause, CpattnError):
-                raise exc.cause from None
+            raise_remote_cause(exc)
             raise exc.as_instanceof_cause() from None
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             steer = "".join(f"; {name} is {getattr(config, name)}: a node must offer it"
@@ -129,8 +144,7 @@ def stop_coordinator(coordinator, timeout_s: float, config: ServiceConfig | None
     try:
         ray.get(coordinator.shutdown.remote(operator_credential), timeout=timeout_s)
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, AccessDeniedError):
-            raise exc.cause from None
+        raise_remote_cause(exc, AccessDeniedError)
         logger.warning("coordinator shutdown call failed (%s); killing it", exc)
     except Exception as exc:   # already dead or hung: still kill it below
         logger.warning("coordinator shutdown call failed (%s); killing it", exc)

@@ -21,12 +21,13 @@ from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, connect_group, partial_tag
 from cpattn.cluster.fencing import StepFence
+from cpattn.cluster.kv_scales import grow_scales
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
-from cpattn.kvstore.fp8 import dequantize, dynamic_scales, fp8_dtype, initial_scales, is_fp8, quantize, rescale_cache
+from cpattn.kvstore.fp8 import dequantize, fp8_dtype, initial_scales, is_fp8, quantize
 
 logger = logging.getLogger("cpattn.shard")
 
@@ -217,9 +218,7 @@ class ShardWorker:
             if self.config.kv_scales is None:
                 # Dynamic: grow to cover the copied pages (powers of two, so the copy is exact; fp8.py).
                 flat = pages.reshape(2, -1, pages.shape[-2], pages.shape[-1])
-                grown = dynamic_scales(scale, flat[0], flat[1], self.kv_format)
-                rescale_cache(t, scale, grown)
-                scale.copy_(grown)
+                grow_scales(t, scale, flat[0], flat[1], self.kv_format)
             t[:, idx] = quantize(pages, scale[:, None, None, :, None], t.dtype)
 
     def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
@@ -244,9 +243,7 @@ class ShardWorker:
                     if self.kv_scales is not None:
                         scale = self.kv_scales[layer]
                         if self.config.kv_scales is None:
-                            grown = dynamic_scales(scale, k, v, self.kv_format)
-                            rescale_cache(cache, scale, grown)
-                            scale.copy_(grown)
+                            grow_scales(cache, scale, k, v, self.kv_format)
                     for chunk_slots in (slots, replica):
                         if chunk_slots is not None:
                             write_kv_cache(cache, k, v, chunk_slots[start:start + n], scale)

@@ -16,9 +16,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
+from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.cluster.shard import RemoteShard
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, ServiceError
+from cpattn.errors import ServiceError
 
 logger = logging.getLogger("cpattn.coordinator")
 
@@ -96,8 +97,7 @@ class ShardSet:
         try:
             ray.get(probe.remote(cfg, self._backend_registry), timeout=cfg.start_timeout_s)
         except ray.exceptions.RayTaskError as exc:
-            if isinstance(getattr(exc, "cause", None), CpattnError):
-                raise exc.cause from None
+            raise_remote_cause(exc)
             raise
 
     def start(self) -> None:
@@ -126,9 +126,7 @@ class ShardSet:
             try:
                 infos = ray.get([h.info.remote(self.secret) for h in handles], timeout=cfg.start_timeout_s)
             except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, CpattnError):
-                    raise cause from None
+                raise_remote_cause(exc)
                 raise ServiceError(f"a shard failed to start: {exc}") from exc
             except ray.exceptions.RayActorError as exc:
                 raise ServiceError(f"a shard failed to start: {creation_error(exc)}") from exc

@@ -30,20 +30,15 @@ def serve(args: argparse.Namespace) -> int:
 
     from cpattn.cluster.authority import new_operator_credential
     from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
-    from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
+    from cpattn.cluster.service import check_backend, launch_coordinator, ray_for
     from cpattn.launch import operator
 
     check_backend(cfg)   # a backend that cannot serve the settings fails before Ray starts, with every reason
     embedded = cfg.ray_address is None and not ray.is_initialized()
-    started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
-    operator_credential = new_operator_credential()
-    try:
+    with ray_for(cfg) as started_ray:
+        operator_credential = new_operator_credential()
         coordinator = launch_coordinator(cfg, operator_credential)
         described = ray.get(coordinator.describe.remote(operator_credential), timeout=cfg.rpc_timeout_s)
-    except BaseException:
-        if started_ray:
-            ray.shutdown()
-        raise
     shards = described["shards"]
     nodes = sorted({s["node_id"] for s in shards})
     first = shards[0]
