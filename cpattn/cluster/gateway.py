@@ -31,6 +31,7 @@ from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
+from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.page_delta import PageCache
@@ -81,9 +82,9 @@ def client_device(config: ServiceConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[dict]) -> str:
+def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[ShardInfo]) -> str:
     """nccl when the gateway and every remote shard each have a GPU of their own; gloo otherwise."""
-    gpus = [_gpu_uuid(device)] + [i.get("gpu_uuid") for i in remote_infos]
+    gpus = [_gpu_uuid(device)] + [i.gpu_uuid for i in remote_infos]
     nccl_ok = device.type == "cuda" and None not in gpus and len(set(gpus)) == len(gpus)
     if config.data_plane == "nccl" and not nccl_ok:
         raise ConfigError("data_plane 'nccl' needs the client and every shard it reaches over the wire on a GPU "
@@ -193,7 +194,7 @@ class Gateway:
         for rank in local_ranks:
             handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
                            "export_kv")
-            backend = select_backend(cfg, self.device, backend=infos[rank]["backend"])
+            backend = select_backend(cfg, self.device, backend=infos[rank].backend)
             try:
                 caches = [open_shared_cache(h, self.device) for h in handles]
             except RuntimeError as exc:
@@ -234,7 +235,7 @@ class Gateway:
         logger.info("cpattn client %s: %d local shard(s) on %s, %d over %s", self.client_id, len(self.local),
                     self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
 
-    def _local_ranks(self, infos: list[dict]) -> list[int]:
+    def _local_ranks(self, infos: list[ShardInfo]) -> list[int]:
         # A detached service's coordinator can restart mid-step; shards fence the old incarnation's writes,
         # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
         if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
@@ -244,7 +245,7 @@ class Gateway:
 
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)
-        return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]
+        return [r for r, i in enumerate(infos) if i.gpu_uuid == mine and i.node_id == node]
 
     def leave(self) -> None:
         old, ticket = self.group_name, self._ticket

@@ -17,7 +17,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
     shards = []
     for rank in range(cfg.num_shards):
         pool = table.allocator.pools[rank]
-        info = infos[rank] if rank < len(infos) else {}
+        info = infos[rank].as_dict() if rank < len(infos) else {}
         shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
                        "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
                        "tokens": table.tokens_on(rank), "bytes": pool.num_used_blocks * bytes_per_block,
@@ -27,5 +27,5 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
     return {"shards": shards, "num_sequences": len(table.sequences), "clients": per_client,
             "other_clients": {"clients": num_other_clients, **others},
             "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
-            "backend": infos[0]["backend"] if infos else None,
-            "kernel_version": infos[0]["kernel_version"] if infos else None}
+            "backend": infos[0].backend if infos else None,
+            "kernel_version": infos[0].kernel_version if infos else None}
