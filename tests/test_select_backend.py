@@ -17,7 +17,6 @@ import pytest
 import cpattn
 from cpattn.attention import AttentionBackend, register_backend, select_backend
 from cpattn.attention import registry
-from cpattn.attention.selector import clear_selector_cache
 from cpattn.errors import BackendUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,18 +39,9 @@ class PlainGpuPluginBackend(AttentionBackend):
 
 
 @pytest.fixture(autouse=True)
-def plugin_first_on_cuda():
-    """Registers the plugin first in CUDA's auto order; restores the process-global registry afterwards."""
-    paths = dict(registry._paths)
-    priority = {k: list(v) for k, v in registry.PRIORITY.items()}
+def plugin_first_on_cuda(clean_backend_registry):
+    """Registers the plugin first in CUDA's auto order (the registry is restored afterwards)."""
     register_backend("PLAIN_GPU_PLUGIN", f"{__name__}:PlainGpuPluginBackend", priority=0, device_type="cuda")
-    clear_selector_cache()
-    yield
-    registry._paths.clear()
-    registry._paths.update(paths)
-    registry.PRIORITY.clear()
-    registry.PRIORITY.update(priority)
-    clear_selector_cache()
 
 
 def gpu_config(**fields) -> cpattn.ServiceConfig:
@@ -62,20 +52,6 @@ def gpu_config(**fields) -> cpattn.ServiceConfig:
 
 UNSERVABLE = dict(backend="PLAIN_GPU_PLUGIN", kv_cache_dtype="fp8_e4m3", sliding_window=[128, None],
                   logits_soft_cap=30.0)
-
-
-@pytest.fixture
-def nothing_may_start(monkeypatch):
-    from cpattn import client
-    from cpattn.cluster import service
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("Ray or the coordinator was started for a backend that cannot serve")
-
-    monkeypatch.setattr(client, "ensure_ray", must_not_run)
-    monkeypatch.setattr(service, "ensure_ray", must_not_run)
-    monkeypatch.setattr(client, "launch_coordinator", must_not_run)
-    monkeypatch.setattr(service, "launch_coordinator", must_not_run)
 
 
 def test_start_with_explicit_gpu_backend_that_cannot_serve_the_settings_fails_first(nothing_may_start):
