@@ -243,8 +243,8 @@ def test_capacity_doubles_and_stats_fields():
     w = ShardWorker(cfg, 0)
     torch.set_num_threads(threads)
     info = w.info()
-    assert info["kv_cache_dtype"] == "float8_e5m2"
-    assert info["kv_bytes"] == cfg.bytes_per_block() * 4               # one byte per element
+    assert info.kv_cache_dtype == "float8_e5m2"
+    assert info.kv_bytes == cfg.bytes_per_block() * 4               # one byte per element
 
 
 def test_config_rejects_bad_fp8_and_window_settings():
