@@ -98,7 +98,7 @@ def decode_case(name: str, batch: int, length: int) -> dict:
 
 def dcp_case(name: str, length: int, world: int = 4) -> dict:
     """One sequence of ``length`` keys dealt over ``world`` shards (interleave = page size) on one GPU."""
-    from cpattn.attention.merge_triton import merge_partials
+    from cpattn.attention.ops.merge import merge_partials
 
     cls = load_backend_class(name)
     ctx = length - 1
@@ -187,7 +187,7 @@ def prefill_case(name: str, length: int, world: int = 4) -> dict:
 
 
 def merge_case(n: int, t: int) -> dict:
-    from cpattn.attention.merge import merge_attn_states
+    from cpattn.attention.ops.merge import merge_attn_states
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
     outs = torch.randn(n, t, HQ, D, device=DEV, dtype=DTYPE)

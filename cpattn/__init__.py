@@ -17,7 +17,7 @@ def start(config: ServiceConfig | None = None, **fields):
     from cpattn.cluster.service import check_backend
 
     config = config if config is not None else ServiceConfig(**fields)
-    check_backend(config)   # CPU shards: a backend that cannot serve fails here, before Ray or any actor starts
+    check_backend(config)   # a backend that cannot serve the settings fails here, before Ray or any actor starts
     return _start(config)
 
 

@@ -16,7 +16,7 @@ from cpattn.cluster.authority import new_operator_credential
 from cpattn.cluster.gateway import Gateway
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.rpc import call as _call
-from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, stop_coordinator
+from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, ray_for, stop_coordinator
 from cpattn.config import ServiceConfig
 from cpattn.errors import AccessDeniedError, CpattnError, InvalidRequestError, ShardLostError
 from cpattn.step import Step
@@ -27,23 +27,15 @@ logger = logging.getLogger("cpattn")
 def start(config: ServiceConfig) -> "Service":
     """Start a service (a local embedded Ray instance unless ``config.ray_address``) and return its client,
     which holds the service's operator credential (``Service.operator_credential``)."""
-    started_ray = ensure_ray(config.ray_address, config.namespace,
-                             num_cpus_hint=config.num_shards * config.num_cpus_per_shard)
-    operator_credential = new_operator_credential()
-    try:
+    with ray_for(config) as started_ray:
+        operator_credential = new_operator_credential()
         coordinator = launch_coordinator(config, operator_credential)
-    except BaseException:
-        if started_ray:
-            ray.shutdown()
-        raise
-    try:
-        return Service(coordinator, config, owns_service=True, owns_ray=started_ray,
-                       operator_credential=operator_credential)
-    except BaseException:
-        stop_coordinator(coordinator, config.rpc_timeout_s, operator_credential=operator_credential)
-        if started_ray:
-            ray.shutdown()
-        raise
+        try:
+            return Service(coordinator, config, owns_service=True, owns_ray=started_ray,
+                           operator_credential=operator_credential)
+        except BaseException:
+            stop_coordinator(coordinator, config.rpc_timeout_s, operator_credential=operator_credential)
+            raise
 
 
 def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None = None,

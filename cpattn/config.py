@@ -41,7 +41,7 @@ def _seconds(default: float, doc_gt: float = 0):
 class ServiceConfig(BaseModel):
     """One cpattn service: how many shards, the model's attention geometry, and how to run it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)   # docstrings: --help
 
     num_shards: int = Field(4, ge=1, le=1024)
     """Shard actors; each owns an interleaved share (DCP) of every sequence's KV cache."""
@@ -207,9 +207,10 @@ class ServiceConfig(BaseModel):
             raise ValueError(
                 f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
                 f"pick num_kv_heads dividing {self.num_q_heads} (GQA groups must be equal)")
-        if self.head_size % 8 or self.head_size > 256:
-            raise ValueError(
-                f"head_size {self.head_size} must be a multiple of 8 and at most 256: use e.g. 64, 128 or 256")
+        from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
+
+        if not head_size_ok(self.head_size):
+            raise ValueError(f"head_size {self.head_size} must be {HEAD_SIZE_RULE}: use e.g. 64, 128 or 256")
         if self.block_size % self.dcp_interleave:
             raise ValueError(
                 f"block_size {self.block_size} is not a multiple of dcp_interleave {self.dcp_interleave}: "

@@ -51,3 +51,34 @@ def start_service(ray_session):
     yield start
     for svc in started:
         svc.shutdown()
+
+
+@pytest.fixture
+def clean_backend_registry():
+    """Backend registration is process-global: restore the registry in place after the test."""
+    from cpattn.attention import registry
+    from cpattn.attention.selector import clear_selector_cache
+
+    paths = dict(registry._paths)
+    priority = {k: list(v) for k, v in registry.PRIORITY.items()}
+    clear_selector_cache()
+    yield registry
+    registry._paths.clear()
+    registry._paths.update(paths)
+    registry.PRIORITY.clear()
+    registry.PRIORITY.update(priority)
+    clear_selector_cache()
+
+
+@pytest.fixture
+def nothing_may_start(monkeypatch):
+    """Starting Ray or a coordinator fails the test: for errors that must come before anything starts."""
+    from cpattn import client
+    from cpattn.cluster import service
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("Ray or the coordinator was started for a request that had to fail first")
+
+    for module, name in ((client, "ensure_ray"), (service, "ensure_ray"), (client, "launch_coordinator"),
+                         (service, "launch_coordinator")):
+        monkeypatch.setattr(module, name, must_not_run)

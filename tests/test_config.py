@@ -67,9 +67,10 @@ def test_data_plane_choice():
     import torch
 
     from cpattn.cluster.gateway import choose_data_plane
+    from cpattn.cluster.messages import ShardInfo
 
     cpu = torch.device("cpu")
-    infos = [{"gpu_uuid": None}, {"gpu_uuid": None}]
+    infos = [ShardInfo(bundle_index=0, gpu_uuid=None), ShardInfo(bundle_index=1, gpu_uuid=None)]
     assert choose_data_plane(ServiceConfig(), cpu, infos) == "gloo"
     assert choose_data_plane(ServiceConfig(data_plane="gloo"), cpu, infos) == "gloo"
     with pytest.raises(ConfigError, match="data_plane 'nccl' needs .* GPU of its own"):

@@ -194,7 +194,7 @@ def test_a_replacement_left_unfilled_by_a_dead_coordinator_is_replaced_again(ray
         half = ShardSet(cfg, None, meta["shard_secret"])
         half._pg = get_placement_group(placement_group_name(cfg.name))
         unready = half._new_shard(bundle, ready=False)
-        assert ray.get(unready.info.remote(meta["shard_secret"]), timeout=60)["ready"] is False
+        assert ray.get(unready.info.remote(meta["shard_secret"]), timeout=60).ready is False
         _kill_coordinator_and_wait_restored(svc)
         run_step(svc, oracle, {a: 2, b: 3})        # exact: the unready shard was replaced and refilled
         assert svc.stats()["shards_replaced"] == 1

@@ -16,7 +16,7 @@ import cpattn
 from conftest import service_config
 from cpattn.attention import merge_attn_states
 from cpattn.attention.pcp import plan_causal_pieces
-from cpattn.cluster.gateway import merge_rows
+from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.step_planner import computed_rows
 from cpattn.errors import InvalidRequestError, ServiceError
 from reliability_common import kill_shard, wait_replaced

@@ -1,19 +1,17 @@
 """Decode context parallelism in one process: N shards, merged by LSE, equal full attention.
 
 Each shard has its own block pool, block table and paged cache (pages placed by a random permutation of
-block ids, unused pages NaN). Two steps run: a prefill of every sequence's context, then a mixed step.
-K/V reach the caches only through each shard's slot mapping. Every shard's partial is checked against
-the oracle restricted to the keys that shard owns, and the merge against full attention.
+block ids, unused pages NaN) and attends through the library's ShardLayerRunner (tests/dcp_shards.py).
+Two steps run: a prefill of every sequence's context, then a mixed step. K/V reach the caches only through
+each shard's slot mapping. Every shard's partial is checked against the oracle restricted to the keys that
+shard owns (context and causal pieces), and the merge against full attention.
 """
-
-import math
 
 import pytest
 import torch
 
-from cpattn.attention import AttentionSpec, merge_attn_states, make_dcp_context_metadata
-from cpattn.attention.backends.torch_ref import TorchReferenceBackend
-from cpattn.kvstore import BlockPool, BlockTable, dcp_local_seq_lens
+from cpattn.attention import merge_attn_states
+from tests.dcp_shards import LocalShard, expected_partial, owner, shard_config
 from tests.reference import attention_with_visibility, causal_visibility
 
 BLOCK_SIZE = 32
@@ -21,37 +19,6 @@ HQ, HK, D = 4, 2, 16
 # Short sequences leave most shards empty for N up to 8; one long one spans many pages on every shard.
 CONTEXT_LENS = [0, 1, 3, 70, 200]
 QUERY_LENS = [5, 1, 2, 1, 40]
-
-
-def _owner(p, n, i):
-    return (p // i) % n
-
-
-class Shard:
-    def __init__(self, rank, world, interleave, num_blocks, num_reqs, dtype, g):
-        self.rank, self.world, self.interleave = rank, world, interleave
-        self.pool = BlockPool(num_blocks, shard=rank)
-        self.perm = torch.randperm(num_blocks, generator=g).tolist()     # pool id -> physical page
-        self.table = BlockTable(num_reqs, 64)
-        self.rows = [self.table.add_row() for _ in range(num_reqs)]
-        self.cache = torch.full(TorchReferenceBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, HK, D),
-                                math.nan, dtype=dtype)
-        spec = AttentionSpec(HQ, HK, D, dtype, BLOCK_SIZE)
-        self.builder = TorchReferenceBackend.get_builder_cls()(spec)
-        self.impl = TorchReferenceBackend.get_impl_cls()(spec)
-
-    def allocate_for(self, seq_lens_after):
-        """Pages for the tokens this shard owns once the step's tokens are in."""
-        local = dcp_local_seq_lens(seq_lens_after, self.world, self.rank, self.interleave).tolist()
-        for row, n in zip(self.rows, local):
-            need = -(-n // BLOCK_SIZE) - self.table.num_blocks[row]
-            self.table.append(row, [self.perm[b] for b in self.pool.allocate(need)])
-
-    def context_partial(self, q, k, v, query_lens, context_lens):
-        md = make_dcp_context_metadata(query_lens, context_lens, self.table.gather(self.rows), BLOCK_SIZE,
-                                       self.world, self.rank, self.interleave)
-        assert not md.causal
-        return self.impl.forward(0, q, k, v, self.cache, self.builder.build(0, md))
 
 
 def _causal_pieces(query_lens, world, split):
@@ -83,24 +50,13 @@ def _step(shards, q, keys, values, context_lens, query_lens, split_causal, check
     outs, lses = [], []
     pieces = _causal_pieces(query_lens, world, split_causal)
     for s in shards:
-        o, l = s.context_partial(q, k_new, v_new, query_lens, context_lens)
+        o, l = s.attend(q, k_new, v_new, query_lens, context_lens, pieces[s.rank])
         if check_partials:
-            # The shard's partial = attention over exactly the context keys it owns.
-            start = 0
-            for r, (c, n) in enumerate(zip(context_lens, query_lens)):
-                mine = torch.tensor([_owner(p, world, interleave) == s.rank for p in range(c)], dtype=torch.bool)
-                eo, el = attention_with_visibility(q[start:start + n], keys[r][:c], values[r][:c],
-                                                   mine[None, :].expand(n, c))
-                torch.testing.assert_close(o[start:start + n].double(), eo, atol=1e-10, rtol=1e-10)
-                torch.testing.assert_close(l[start:start + n].double(), el, atol=1e-10, rtol=1e-10)
-                start += n
-        if pieces[s.rank].numel():
-            o2, l2 = s.impl.forward_new_tokens(q, k_new, v_new, pieces[s.rank])
-            if split_causal:
-                outs.append(o2)
-                lses.append(l2)
-            else:                           # merge locally first, as a shard would before sending
-                o, l = merge_attn_states([o, o2], [l, l2])
+            # The shard's partial = attention over exactly the context keys it owns and its causal pieces.
+            eo, el = expected_partial(q, keys, values, context_lens, query_lens, s.rank, world, interleave,
+                                      pieces[s.rank])
+            torch.testing.assert_close(o.double(), eo, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(l.double(), el, atol=1e-10, rtol=1e-10)
         outs.append(o)
         lses.append(l)
     return merge_attn_states(outs, lses)
@@ -122,7 +78,7 @@ def _assert_caches_hold_history(shards, keys, values):
     for r, (k, v) in enumerate(zip(keys, values)):
         seen = [0] * world
         for p in range(k.shape[0]):
-            s = shards[_owner(p, world, interleave)]
+            s = shards[owner(p, world, interleave)]
             local = seen[s.rank]
             seen[s.rank] += 1
             page = s.table.row(s.rows[r])[local // BLOCK_SIZE]
@@ -135,7 +91,8 @@ def _run(world, interleave, split_causal, dtype, seed, check_partials=True):
     total = [c + n for c, n in zip(CONTEXT_LENS, QUERY_LENS)]
     keys = [torch.randn(n, HK, D, generator=g, dtype=torch.float64).to(dtype) for n in total]
     values = [torch.randn(n, HK, D, generator=g, dtype=torch.float64).to(dtype) for n in total]
-    shards = [Shard(r, world, interleave, 40, len(total), dtype, g) for r in range(world)]
+    config = shard_config(world, interleave, BLOCK_SIZE, HQ, HK, D, dtype, num_blocks=40)
+    shards = [LocalShard(r, config, len(total), g) for r in range(world)]
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=3e-5, rtol=3e-5)
 
     # Step 1: prefill each context (no context yet: shard partials are all empty, -inf).
@@ -174,19 +131,20 @@ def test_dcp_more_shards_than_tokens():
     g = torch.Generator().manual_seed(3)
     k = torch.randn(4, HK, D, generator=g, dtype=torch.float64)
     v = torch.randn(4, HK, D, generator=g, dtype=torch.float64)
-    shards = [Shard(r, world, interleave, 4, 1, torch.float64, g) for r in range(world)]
+    config = shard_config(world, interleave, BLOCK_SIZE, HQ, HK, D, torch.float64, num_blocks=4)
+    shards = [LocalShard(r, config, 1, g) for r in range(world)]
     q1 = torch.randn(3, HQ, D, generator=g, dtype=torch.float64)
     _step(shards, q1, [k], [v], [0], [3], False, True)
     q2 = torch.randn(1, HQ, D, generator=g, dtype=torch.float64)
     partials = []
     for s in shards:
         s.allocate_for([4])
-        partials.append(s.context_partial(q2, k[3:], v[3:], [1], [3]))
+        pieces = torch.tensor([[0, 1, 0]]) if s.rank == 0 else torch.zeros(0, 3, dtype=torch.int64)
+        partials.append(s.attend(q2, k[3:], v[3:], [1], [3], pieces))
     for s, (o, l) in zip(shards, partials):
         if s.rank >= 3:                 # holds no context token: out 0, lse -inf
             assert torch.equal(o, torch.zeros_like(o)) and bool(torch.isneginf(l).all())
-    o2, l2 = shards[0].impl.forward_new_tokens(q2, k[3:], v[3:], torch.tensor([[0, 1, 0]]))
-    out, lse = merge_attn_states([o for o, _ in partials] + [o2], [l for _, l in partials] + [l2])
+    out, lse = merge_attn_states([o for o, _ in partials], [l for _, l in partials])
     eo, el = attention_with_visibility(q2, k, v, torch.ones(1, 4, dtype=torch.bool))
     torch.testing.assert_close(out, eo, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, el, atol=1e-12, rtol=1e-12)

@@ -14,7 +14,7 @@ import torch
 
 from cpattn import ServiceConfig
 from cpattn.attention.backend import write_kv_cache
-from cpattn.cluster.gateway import merge_rows
+from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.shard import ShardWorker
 from cpattn.cluster.step_planner import StepRequest, plan_step
@@ -298,8 +298,8 @@ def test_capacity_doubles_and_stats_fields():
     w = ShardWorker(cfg, 0)
     torch.set_num_threads(threads)
     info = w.info()
-    assert info["kv_cache_dtype"] == "float8_e5m2"
-    assert info["kv_bytes"] == cfg.bytes_per_block() * 4               # one byte per element
+    assert info.kv_cache_dtype == "float8_e5m2"
+    assert info.kv_bytes == cfg.bytes_per_block() * 4               # one byte per element
 
 
 def test_config_rejects_bad_fp8_and_window_settings():

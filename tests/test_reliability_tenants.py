@@ -196,7 +196,7 @@ def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retr
         oracle = Oracle(cfg, 34)
         a = svc.add_sequence()
         run_step(svc, oracle, {a: 7})
-        pid = ray.get(current_shards(svc)[1].info.remote(svc.operator_credential), timeout=RPC_S)["pid"]
+        pid = ray.get(current_shards(svc)[1].info.remote(svc.operator_credential), timeout=RPC_S).pid
         os.kill(pid, signal.SIGSTOP)   # a shard actor this test started
         resume = threading.Timer(6.0, os.kill, (pid, signal.SIGCONT))
         resume.start()
@@ -230,7 +230,7 @@ time.sleep(600)
 
 def _shard_usage(svc) -> dict:
     shards = current_shards(svc)
-    pids = [i["pid"] for i in ray.get([h.info.remote(svc.operator_credential) for h in shards], timeout=RPC_S)]
+    pids = [i.pid for i in ray.get([h.info.remote(svc.operator_credential) for h in shards], timeout=RPC_S)]
     stats = svc.stats()
     return {"blocks": [s["blocks_used"] for s in stats["shards"]], "num_sequences": stats["num_sequences"],
             "open_steps": stats["open_steps"], "num_clients": stats["num_clients"],

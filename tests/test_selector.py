@@ -56,17 +56,8 @@ def _path(cls):
 
 
 @pytest.fixture(autouse=True)
-def clean_registry():
-    """Registration is process-global: restore the registry in place after each test."""
-    paths = dict(registry._paths)
-    priority = {k: list(v) for k, v in registry.PRIORITY.items()}
-    clear_selector_cache()
-    yield
-    registry._paths.clear()
-    registry._paths.update(paths)
-    registry.PRIORITY.clear()
-    registry.PRIORITY.update(priority)
-    clear_selector_cache()
+def clean_registry(clean_backend_registry):
+    """Registration is process-global: every test here gets the registry restored afterwards."""
 
 
 def test_explicit_torch_on_cpu_and_cuda():

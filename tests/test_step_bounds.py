@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cpattn.attention.backends import torch_ref
+from cpattn.attention.ops import reference as ref_ops
 from reference import attention_with_visibility
 
 
@@ -29,8 +29,8 @@ def test_tiled_dense_attention_is_exact(monkeypatch, lq, lk, offset):
     v = torch.randn(lk, 2, 8, dtype=torch.float64, generator=g)
     ref_out, ref_lse = attention_with_visibility(q, k, v, _visible(lq, lk, offset), 8 ** -0.5)
     for tile_bytes in (1, 3 * lk * 4 * 8 * 5, 1 << 30):          # one query per tile, 5 per tile, untiled
-        monkeypatch.setattr(torch_ref, "TILE_BYTES", tile_bytes)
-        out, lse = torch_ref.dense_attention(q, k, v, 8 ** -0.5, offset)
+        monkeypatch.setattr(ref_ops, "TILE_BYTES", tile_bytes)
+        out, lse = ref_ops.dense_attention(q, k, v, 8 ** -0.5, offset)
         assert torch.allclose(out, ref_out, atol=1e-12, rtol=0)
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         finite = torch.isfinite(ref_lse)
@@ -39,7 +39,7 @@ def test_tiled_dense_attention_is_exact(monkeypatch, lq, lk, offset):
 
 PEAK = """
 import resource, torch
-from cpattn.attention.backends.torch_ref import dense_attention
+from cpattn.attention.ops.reference import dense_attention
 torch.set_num_threads(1)
 t = 4096
 q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)

@@ -172,17 +172,9 @@ def test_serve_with_a_backend_that_cannot_serve_fails_before_ray_starts():
     assert "embedded Ray" not in result.stdout and "Token authentication" not in err   # Ray never started
 
 
-def test_start_with_a_backend_that_cannot_serve_raises_before_anything_starts(monkeypatch):
+def test_start_with_a_backend_that_cannot_serve_raises_before_anything_starts(nothing_may_start):
     import cpattn
-    from cpattn import client
-    from cpattn.cluster import service
 
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("Ray or the coordinator was started for a backend that cannot serve")
-
-    monkeypatch.setattr(client, "ensure_ray", must_not_run)
-    monkeypatch.setattr(service, "ensure_ray", must_not_run)
-    monkeypatch.setattr(client, "launch_coordinator", must_not_run)
     cfg = cpattn.ServiceConfig(num_shards=2, num_layers=1, num_q_heads=2, num_kv_heads=1, head_size=8,
                                backend="FLASHINFER", dtype="float32")
     with pytest.raises(BackendUnavailableError) as exc:

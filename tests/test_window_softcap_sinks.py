@@ -1,8 +1,9 @@
 """Sliding window, logit soft cap and attention sinks under DCP in one process, against float64.
 
-Each shard has its own pool, table and paged cache (pages at permuted ids, unused pages NaN). The window is
-measured on global positions: each shard's partial must equal the oracle restricted to the keys that shard
-owns *and* that fall in each query's global window. A shard with none of a request's window skips its
+Each shard has its own pool, table and paged cache (pages at permuted ids, unused pages NaN) and attends
+through the library's ShardLayerRunner (tests/dcp_shards.py). The window is measured on global positions:
+each shard's partial must equal the oracle restricted to the keys that shard owns (context and causal
+pieces) *and* that fall in each query's global window. A shard with none of a request's window skips its
 kernel (gather_request_kv is not called for it) and returns out 0 / lse -inf; a shard whose window starts
 mid-context reads only the pages from the window's first page on. Sinks enter once, after the merge.
 """
@@ -14,9 +15,9 @@ import torch
 
 from cpattn.attention import AttentionSpec, apply_sinks, make_causal_metadata, make_dcp_context_metadata
 from cpattn.attention import merge_attn_states
-from cpattn.attention.backends import torch_ref
+from cpattn.attention.ops import reference as ref_ops
 from cpattn.attention.backends.torch_ref import TorchReferenceBackend
-from cpattn.kvstore import BlockPool, BlockTable, dcp_local_seq_lens
+from tests.dcp_shards import LocalShard, expected_partial, owner, shard_config
 from tests.reference import attention_with_visibility, window_visibility
 from tests.test_dcp_single_process import _causal_pieces
 
@@ -26,40 +27,12 @@ CONTEXT_LENS = [0, 1, 9, 57, 190]
 QUERY_LENS = [5, 1, 2, 1, 30]
 
 
-def _owner(p, n, i):
-    return (p // i) % n
-
-
-class Shard:
-    def __init__(self, rank, world, interleave, spec, num_blocks, g):
-        self.rank, self.world, self.interleave = rank, world, interleave
-        self.pool = BlockPool(num_blocks, shard=rank)
-        self.perm = torch.randperm(num_blocks, generator=g).tolist()
-        self.table = BlockTable(len(CONTEXT_LENS), 64)
-        self.rows = [self.table.add_row() for _ in CONTEXT_LENS]
-        self.cache = torch.full(TorchReferenceBackend.get_kv_cache_shape(num_blocks, BLOCK, HK, D), math.nan,
-                                dtype=spec.dtype)
-        self.builder = TorchReferenceBackend.get_builder_cls()(spec)
-        self.impl = TorchReferenceBackend.get_impl_cls()(spec)
-
-    def allocate_for(self, seq_lens_after):
-        local = dcp_local_seq_lens(seq_lens_after, self.world, self.rank, self.interleave).tolist()
-        for row, n in zip(self.rows, local):
-            need = -(-n // BLOCK) - self.table.num_blocks[row]
-            self.table.append(row, [self.perm[b] for b in self.pool.allocate(need)])
-
-    def context_partial(self, q, k, v, query_lens, context_lens):
-        md = make_dcp_context_metadata(query_lens, context_lens, self.table.gather(self.rows), BLOCK,
-                                       self.world, self.rank, self.interleave)
-        return self.impl.forward(0, q, k, v, self.cache, self.builder.build(0, md))
-
-
 def _expected_reads(world, interleave, rank, context_lens, query_lens, window):
     """Per request: None when no query has an owned key in its window (kernel skipped), else the number of
     local keys read (from the page holding the first in-window local key to the end of the local context)."""
     reads = []
     for c, n in zip(context_lens, query_lens):
-        owned = [p for p in range(c) if _owner(p, world, interleave) == rank]
+        owned = [p for p in range(c) if owner(p, world, interleave) == rank]
         if not owned or n == 0:
             reads.append(None)
             continue
@@ -80,39 +53,30 @@ def _step(shards, q, keys, values, context_lens, query_lens, window, cap, sinks,
     outs, lses = [], []
     for s in shards:
         reads = []
-        real = torch_ref.gather_request_kv
+        real = ref_ops.gather_request_kv
 
         def counting(cache, row, seq_len, first_key=0, *args, **kwargs):
             k, v = real(cache, row, seq_len, first_key, *args, **kwargs)
             reads.append(k.shape[0])
             return k, v
 
-        torch_ref.gather_request_kv = counting
+        ref_ops.gather_request_kv = counting
         try:
-            o, l = s.context_partial(q, k_new, v_new, query_lens, context_lens)
+            o, l = s.attend(q, k_new, v_new, query_lens, context_lens, pieces[s.rank])
         finally:
-            torch_ref.gather_request_kv = real
+            ref_ops.gather_request_kv = real
         if window is not None:
             # Skipped requests read nothing; the others read from the window's first page on, never before.
             expected = [r for r in _expected_reads(world, interleave, s.rank, context_lens, query_lens, window)
                         if r is not None]
             assert reads == expected, (s.rank, reads, expected)
         if check_partials:
-            start = 0
-            for r, (c, n) in enumerate(zip(context_lens, query_lens)):
-                mine = torch.tensor([_owner(p, world, interleave) == s.rank for p in range(c)], dtype=torch.bool)
-                vis = window_visibility(torch.arange(c, c + n), torch.arange(c), window) & mine[None, :]
-                eo, el = attention_with_visibility(q[start:start + n], keys[r][:c], values[r][:c], vis,
-                                                   soft_cap=cap)
-                torch.testing.assert_close(o[start:start + n].double(), eo, atol=1e-10, rtol=1e-10)
-                torch.testing.assert_close(l[start:start + n].double(), el, atol=1e-10, rtol=1e-10)
-                start += n
+            eo, el = expected_partial(q, keys, values, context_lens, query_lens, s.rank, world, interleave,
+                                      pieces[s.rank], window, cap)
+            torch.testing.assert_close(o.double(), eo, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(l.double(), el, atol=1e-10, rtol=1e-10)
         outs.append(o)
         lses.append(l)
-        if pieces[s.rank].numel():
-            o2, l2 = s.impl.forward_new_tokens(q, k_new, v_new, pieces[s.rank], layer=0)
-            outs.append(o2)
-            lses.append(l2)
     out, lse = merge_attn_states(outs, lses)
     return apply_sinks(out, lse, sinks)
 
@@ -130,7 +94,7 @@ def _reference(q, keys, values, context_lens, query_lens, window, cap, sinks):
 
 def _run(world, interleave, window, cap, use_sinks, split, seed):
     g = torch.Generator().manual_seed(seed)
-    spec = AttentionSpec(HQ, HK, D, torch.float64, BLOCK, sliding_windows=(window,), logits_soft_caps=(cap,))
+    config = shard_config(world, interleave, BLOCK, HQ, HK, D, torch.float64, 40, window, cap)
     total = [c + n for c, n in zip(CONTEXT_LENS, QUERY_LENS)]
     keys = [torch.randn(n, HK, D, generator=g, dtype=torch.float64) for n in total]
     values = [torch.randn(n, HK, D, generator=g, dtype=torch.float64) for n in total]
@@ -138,7 +102,7 @@ def _run(world, interleave, window, cap, use_sinks, split, seed):
         for k in keys:
             k.mul_(3.0)                  # logits well beyond the cap, so tanh bends them
     sinks = torch.randn(HQ, generator=g, dtype=torch.float64) * 2 if use_sinks else None
-    shards = [Shard(r, world, interleave, spec, 40, g) for r in range(world)]
+    shards = [LocalShard(r, config, len(total), g) for r in range(world)]
     zeros = [0] * len(total)
     for context, queries in ((zeros, CONTEXT_LENS), (CONTEXT_LENS, QUERY_LENS)):
         q = torch.randn(sum(queries), HQ, D, generator=g, dtype=torch.float64)
@@ -232,6 +196,6 @@ def test_window_metadata_counts_local_keys_on_global_positions():
                                            interleave)
             for window in (1, 7, 33, 200):
                 got = md.window_key_start(window).tolist()
-                want = [sum(1 for p in range(max(0, qp - window + 1)) if _owner(p, world, interleave) == rank)
+                want = [sum(1 for p in range(max(0, qp - window + 1)) if owner(p, world, interleave) == rank)
                         for qp in (100, 101, 102)]
                 assert got == want, (world, interleave, rank, window)

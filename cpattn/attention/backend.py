@@ -13,8 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from cpattn.attention.merge import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
+from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
+from cpattn.attention.ops.lse import LseBase
+from cpattn.attention.ops.reference import ragged_causal_attention
 from cpattn.errors import InvalidRequestError
 from cpattn.kvstore import MultipleOf
 from cpattn.kvstore.fp8 import fp8_format_of, quantize, token_scales
@@ -147,8 +149,6 @@ class AttentionImpl:
         [T, Hq] in natural log, lse -inf on rows no piece covers. Backends with a faster ragged
         kernel override this; the default is the torch reference.
         """
-        from cpattn.attention.backends.torch_ref import ragged_causal_attention
-
         return ragged_causal_attention(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale,
                                        window=self.spec.window(layer), soft_cap=self.spec.soft_cap(layer))
 
@@ -161,7 +161,7 @@ class AttentionBackend:
     builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
     supported_dtypes: ClassVar[tuple[str, ...]] = ()
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None   # None: any multiple of 8 up to 256
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None   # None: ops.head_size rule
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
     min_capability: ClassVar[tuple[int, int] | None] = None
     lse_base: ClassVar[LseBase] = LseBase.E
@@ -230,8 +230,8 @@ class AttentionBackend:
             reasons.append(f"logits_soft_cap {why} ({elsewhere}, or no soft cap)")
         sizes = cls.supported_head_sizes
         if sizes is None:
-            if config.head_size % 8 or config.head_size > 256:
-                reasons.append(f"head_size {config.head_size} not supported (multiple of 8, at most 256)")
+            if not head_size_ok(config.head_size):
+                reasons.append(f"head_size {config.head_size} not supported (must be {HEAD_SIZE_RULE})")
         elif config.head_size not in sizes:
             reasons.append(f"head_size {config.head_size} not supported (supports {list(sizes)})")
         if config.num_q_heads % config.num_kv_heads:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpattn.attention.merge import merge_attn_states
+from cpattn.attention.ops.merge import merge_attn_states
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cpattn.attention.cascade import find_shared_prefixes
-from cpattn.attention.merge import merge_attn_states
+from cpattn.attention.ops.merge import merge_attn_states
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import PAD_BLOCK_ID, PAD_SLOT_ID
 

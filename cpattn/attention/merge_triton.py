@@ -1,7 +1,7 @@
 """GPU merge of partial attention states: one Triton kernel, base-aware, -inf safe, correction fused.
 
 Legend: N partials, T tokens, H heads, D head size.
-Same contract and math as ``merge.merge_attn_states`` (the CPU path and the oracle):
+Same contract and math as ``ops.merge.merge_attn_states`` (the CPU path and the oracle):
     l_n in natural log (base-2 LSEs scaled by ln 2 inside the kernel), m = max_n l_n,
     w_n = exp(l_n - m), o = sum_n w_n o_n / sum_n w_n, l = m + log(sum_n w_n).
 Each program owns one token and a block of heads: a first pass over N finds m, a second
@@ -9,15 +9,16 @@ accumulates the weighted outputs in float32 and writes o and l once, so every in
 once and every output byte written once. Partials with l_n = -inf are skipped (their outputs may
 hold garbage); rows where every l_n = -inf give o = 0, l = -inf.
 
-``merge_partials`` is what callers use: Triton for CUDA tensors (16/32-bit), torch otherwise.
+Callers use ``ops.merge.merge_partials`` (this kernel for CUDA 16/32-bit tensors, torch otherwise); this
+module imports only from the ops floor, so the floor may call it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpattn.attention.merge import LseBase, merge_attn_states
-from cpattn.errors import InvalidRequestError
+from cpattn.attention.ops.lse import LseBase, check_lse_base
+from cpattn.attention.ops.partials import stack_partials
 
 _kernel = None
 
@@ -105,16 +106,8 @@ def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_
     """
     import triton
 
-    outs = torch.stack(list(outs_NTHD)) if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
-    lses = torch.stack(list(lses_NTH)) if isinstance(lses_NTH, (list, tuple)) else lses_NTH
-    if outs.dim() != 4 or lses.dim() != 3 or outs.shape[:3] != lses.shape:
-        raise InvalidRequestError(
-            f"merge_attn_states_triton needs outs [N,T,H,D] and lses [N,T,H] with matching N,T,H; "
-            f"got {tuple(outs.shape)} and {tuple(lses.shape)}")
-    if outs.shape[0] == 0:
-        raise InvalidRequestError("merge_attn_states_triton needs at least one partial (N >= 1)")
-    if not isinstance(lse_base, LseBase):
-        raise InvalidRequestError(f"lse_base must be an LseBase (E or TWO), got {lse_base!r}")
+    outs, lses = stack_partials(outs_NTHD, lses_NTH, "merge_attn_states_triton")
+    check_lse_base(lse_base)
     n, t, h, d = outs.shape
     if outs.stride(-1) != 1:
         outs = outs.contiguous()
@@ -135,21 +128,4 @@ def merge_attn_states_triton(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_
     return res, res_lse
 
 
-def merge_partials(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
-                   lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
-    """The service's merge: the Triton kernel for CUDA 16/32-bit tensors, ``merge_attn_states`` otherwise."""
-    first = outs_NTHD[0] if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
-    if first.is_cuda and first.dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_available():
-        return merge_attn_states_triton(outs_NTHD, lses_NTH, lse_base)
-    return merge_attn_states(outs_NTHD, lses_NTH, lse_base)
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-__all__ = ["merge_attn_states_triton", "merge_partials"]
+__all__ = ["merge_attn_states_triton"]

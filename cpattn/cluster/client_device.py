@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from cpattn.cluster.messages import ShardInfo
 from cpattn.config import ServiceConfig
 from cpattn.errors import ConfigError
 
@@ -16,9 +17,9 @@ def client_device(config: ServiceConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[dict]) -> str:
+def choose_data_plane(config: ServiceConfig, device: torch.device, remote_infos: list[ShardInfo]) -> str:
     """nccl when the gateway and every remote shard each have a GPU of their own; gloo otherwise."""
-    gpus = [_gpu_uuid(device)] + [i.get("gpu_uuid") for i in remote_infos]
+    gpus = [_gpu_uuid(device)] + [i.gpu_uuid for i in remote_infos]
     nccl_ok = device.type == "cuda" and None not in gpus and len(set(gpus)) == len(gpus)
     if config.data_plane == "nccl" and not nccl_ok:
         raise ConfigError("data_plane 'nccl' needs the client and every shard it reaches over the wire on a GPU "

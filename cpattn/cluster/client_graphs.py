@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from cpattn.attention.merge_triton import merge_partials
+from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.data_plane import CMD_ATTEND, HEADER_BYTES, TAG_BYTES
 
 logger = logging.getLogger("cpattn")

@@ -118,11 +118,11 @@ class Coordinator:
         self.recovery.start_watching(self._stop, self.expire_clients)
         first = self.shard_set.infos[0]
         logger.info("cpattn service %r: %d shards, backend %s (%s)", self.config.name, self.config.num_shards,
-                    first["backend"], first["kernel_version"])
+                    first.backend, first.kernel_version)
         return self.shard_set.infos
 
     def describe(self, credential: str) -> dict:
-        return {"config": self.config.model_dump(), "shards": self.shard_set.infos, "lost": dict(self.shard_set.lost),
+        return {"config": self.config.model_dump(), "shards": [i.as_dict() for i in self.shard_set.infos], "lost": dict(self.shard_set.lost),
                 "epoch": self.epoch, "restored": self.restored, "incarnation": self.incarnation,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 

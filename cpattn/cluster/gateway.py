@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from cpattn.attention import apply_sinks, get_attn_backend
-from cpattn.attention.merge_triton import merge_partials
+from cpattn.attention import select_backend
+from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, client_device, open_shared_cache
 from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, PendingCommit, RunControl,
@@ -34,6 +34,7 @@ from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, De
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
+from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.page_delta import PageCache
@@ -170,9 +171,7 @@ class Gateway(RunControl):
         for rank in local_ranks:
             handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
                            "export_kv")
-            backend = get_attn_backend(infos[rank]["backend"], head_size=cfg.head_size, dtype=cfg.torch_dtype,
-                                       block_size=cfg.block_size, num_q_heads=cfg.num_q_heads,
-                                       num_kv_heads=cfg.num_kv_heads, device=self.device, **cfg.backend_features())
+            backend = select_backend(cfg, self.device, backend=infos[rank].backend)
             try:
                 # Every layer's cache, then (fp8) every layer's page scales: pages belong to one sequence, so this
                 # client growing its pages' scales never touches another client's (cpattn/kvstore/fp8.py).
@@ -217,14 +216,14 @@ class Gateway(RunControl):
         logger.info("cpattn client %s: %d local shard(s) on %s, %d over %s", self.client_id, len(self.local),
                     self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
 
-    def _local_ranks(self, infos: list[dict]) -> list[int]:
+    def _local_ranks(self, infos: list[ShardInfo]) -> list[int]:
         # A detached service's coordinator can restart mid-step; shards fence the old incarnation's writes,
         # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
         if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
             return []
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)
-        return [r for r, i in enumerate(infos) if i.get("gpu_uuid") == mine and i.get("node_id") == node]
+        return [r for r, i in enumerate(infos) if i.gpu_uuid == mine and i.node_id == node]
 
     def leave(self) -> None:
         old, ticket = self.group_name, self._ticket
@@ -420,30 +419,4 @@ class Gateway(RunControl):
             logger.warning("closing client %s: %s", self.client_id, exc)
 
 
-def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int,
-               sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
-    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more.
-    Sink logits (``sinks_Q``), when given, enter the merged state once."""
-    if sinks_Q is not None:
-        return apply_sinks(*_merge_rows_lse(parts, num_tokens), sinks_Q)[0]
-    return _merge_rows_lse(parts, num_tokens)[0]
-
-
-def _merge_rows_lse(parts, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(parts) == 1 and parts[0][0] is None:
-        return parts[0][1], parts[0][2]
-    _, first, first_lse = parts[0]
-    if all(rows is None for rows, _, _ in parts):
-        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))
-    outs_NTQD = first.new_zeros((len(parts), num_tokens) + tuple(first.shape[1:]))
-    lses_NTQ = first_lse.new_full((len(parts), num_tokens) + tuple(first_lse.shape[1:]), float("-inf"))
-    for n, (rows, out, lse) in enumerate(parts):
-        if rows is None:
-            outs_NTQD[n], lses_NTQ[n] = out, lse
-        else:
-            outs_NTQD[n].index_copy_(0, rows, out)
-            lses_NTQ[n].index_copy_(0, rows, lse)
-    return merge_partials(outs_NTQD, lses_NTQ)
-
-
-__all__ = ["Gateway", "StepWire", "PendingCommit", "merge_rows", "choose_data_plane", "client_device"]
+__all__ = ["Gateway", "StepWire", "PendingCommit", "choose_data_plane", "client_device"]

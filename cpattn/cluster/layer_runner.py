@@ -16,7 +16,7 @@ import torch
 from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.cascade_plan import merge_prefix_rows, split_shared_prefixes
-from cpattn.attention.merge_triton import merge_partials
+from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig

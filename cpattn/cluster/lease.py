@@ -18,6 +18,7 @@ import threading
 
 import ray
 
+from cpattn.cluster.rpc import remote_cause
 from cpattn.errors import AccessDeniedError
 
 logger = logging.getLogger("cpattn")
@@ -41,7 +42,7 @@ class LeaseKeeper(threading.Thread):
                 alive = ray.get(self._coordinator.renew.remote(self._credential), timeout=self._period * 2)
             except ray.exceptions.RayTaskError as exc:
                 # The coordinator no longer knows the credential: this client has ended.
-                alive = not isinstance(exc.cause, AccessDeniedError)
+                alive = remote_cause(exc, AccessDeniedError) is None
                 if alive:
                     logger.debug("lease renewal failed: %s", exc)
                     continue

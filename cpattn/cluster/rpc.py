@@ -9,14 +9,25 @@ import ray
 from cpattn.errors import CpattnError, ServiceError
 
 
+def remote_cause(exc: BaseException, kind: type[CpattnError] = CpattnError) -> CpattnError | None:
+    """The cpattn error (of ``kind``) a remote task or actor method raised, when ``exc`` is Ray's wrapper of one."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, kind) else None
+
+
+def raise_remote_cause(exc: BaseException, kind: type[CpattnError] = CpattnError) -> None:
+    """Raise ``remote_cause(exc, kind)`` as itself, without Ray's remote frames; return when there is none."""
+    cause = remote_cause(exc, kind)
+    if cause is not None:
+        raise cause from None
+
+
 def call(ref, timeout_s: float, what: str):
     """ray.get with a timeout; our own errors come back as themselves, Ray's as ServiceError."""
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, CpattnError):
-            raise cause from None
+        raise_remote_cause(exc)
         raise ServiceError(f"{what} failed: {exc}") from exc
     except ray.exceptions.GetTimeoutError:
         raise ServiceError(f"{what} did not answer within {timeout_s}s (rpc_timeout_s): is the service overloaded "

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import ray
 
-from cpattn.attention.registry import backend_names, load_backend_class, registry_state
+from cpattn.attention.registry import registry_state
 from cpattn.cluster.authority import digest
 from cpattn.cluster.coordinator import RemoteCoordinator
 from cpattn.cluster.placement_wait import wait_for_start
+from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.config import ServiceConfig
-from cpattn.errors import AccessDeniedError, CpattnError, ServiceError
+from cpattn.errors import AccessDeniedError, ServiceError
 
 logger = logging.getLogger("cpattn")
 
@@ -41,6 +43,20 @@ def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) ->
     return True
 
 
+@contextmanager
+def ray_for(config: ServiceConfig):
+    """Ray for starting ``config``'s service (``ensure_ray``); yields whether this started it, and shuts the Ray it
+    started down again if the body raises (nothing half-started outlives a failed start)."""
+    started_ray = ensure_ray(config.ray_address, config.namespace,
+                             num_cpus_hint=config.num_shards * config.num_cpus_per_shard)
+    try:
+        yield started_ray
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+
+
 def launch_coordinator(config: ServiceConfig, operator_credential: str):
     """Create the named coordinator and start its shards; cleans up everything if any part fails.
 
@@ -53,10 +69,8 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
     if existing is not None:
         raise ServiceError(f"a service named {config.name!r} already runs in namespace {config.namespace!r}: "
                            f"attach with cpattn.connect(name={config.name!r}) or stop it with `cpattn stop`")
-    if config.backend != "auto" and config.backend.upper() not in backend_names():
-        # A shard dying in __init__ reaches us only as an opaque ActorDiedError: reject unknown names here,
-        # with the registry's typed error listing the valid options, before anything is placed.
-        load_backend_class(config.backend)
+    # A shard dying in __init__ reaches us only as an opaque ActorDiedError: unknown names and settings the
+    # backend cannot serve fail here, with every reason, before anything is placed.
     check_backend(config)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
                "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
@@ -82,8 +96,7 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
         if config.detached:   # a detached placement group outlives its creator: remove it if still there
             remove_leftovers(config)
         if isinstance(exc, ray.exceptions.RayTaskError):
-            if isinstance(exc.cause, CpattnError):
-                raise exc.cause from None
+            raise_remote_cause(exc)
             raise exc.as_instanceof_cause() from None
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             steer = "".join(f"; {name} is {getattr(config, name)}: a node must offer it"
@@ -95,21 +108,20 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
 
 
 def check_backend(config: ServiceConfig) -> None:
-    """Select the attention backend here, as every shard will, where this process sees the shards' platform.
+    """Select the attention backend here, as every shard will, before any actor (or Ray) starts.
 
-    CPU shards run the same selection on the same registry (plugins included), so a backend that cannot
-    serve raises BackendUnavailableError with every reason now, before any actor (or Ray) starts, instead of
-    failing inside each shard's __init__. GPU shards are checked where they run: their devices and kernel
-    packages may differ from this process's.
+    Raises BackendUnavailableError with every reason. CPU shards run the same selection on the same registry
+    (plugins included), so it is checked in full. GPU shards may have devices and kernel packages this process
+    lacks: here only what the backend declares is checked against the settings (an explicit TRITON asked for
+    an fp8 cache it cannot serve fails now); the platform is probed in the first bundle once placed.
     """
-    if config.resolved_device() != "cpu":
-        return
-    from cpattn.attention.selector import get_attn_backend
+    from cpattn.attention.selector import select_backend
     from cpattn.kvstore import select_common_kernel_block_size
 
-    backend = get_attn_backend(config.backend, head_size=config.head_size, dtype=config.torch_dtype,
-                               block_size=config.block_size, num_q_heads=config.num_q_heads,
-                               num_kv_heads=config.num_kv_heads, device="cpu")
+    if config.resolved_device() != "cpu":
+        select_backend(config, platform_here=False)
+        return
+    backend = select_backend(config, "cpu")
     select_common_kernel_block_size(config.block_size, [backend.get_supported_kernel_block_sizes()])
 
 
@@ -132,8 +144,7 @@ def stop_coordinator(coordinator, timeout_s: float, config: ServiceConfig | None
     try:
         ray.get(coordinator.shutdown.remote(operator_credential), timeout=timeout_s)
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, AccessDeniedError):
-            raise exc.cause from None
+        raise_remote_cause(exc, AccessDeniedError)
         logger.warning("coordinator shutdown call failed (%s); killing it", exc)
     except Exception as exc:   # already dead or hung: still kill it below
         logger.warning("coordinator shutdown call failed (%s); killing it", exc)

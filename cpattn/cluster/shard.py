@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cpattn.attention import get_attn_backend, write_kv_cache
+from cpattn.attention import select_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
@@ -23,6 +23,7 @@ from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT,
                                        partial_tag)
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
+from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
@@ -89,10 +90,7 @@ class ShardWorker:
         else:
             torch.set_num_threads(max(1, int(config.num_cpus_per_shard)))
         self.dtype = config.torch_dtype
-        self.backend = get_attn_backend(
-            config.backend, head_size=config.head_size, dtype=self.dtype, block_size=config.block_size,
-            num_q_heads=config.num_q_heads, num_kv_heads=config.num_kv_heads, device=self.device,
-            **config.backend_features())
+        self.backend = select_backend(config, self.device)
         self.num_blocks = config.blocks_per_shard()
         shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
                                                 config.head_size)
@@ -144,7 +142,7 @@ class ShardWorker:
                                                 "(the test suite's) serves them")
 
     # Introspection --------------------------------------------------------------------------------
-    def info(self, secret: str | None = None) -> dict:
+    def info(self, secret: str | None = None) -> ShardInfo:
         gpu_ids: tuple[str, ...] = ()
         node_id = socket.gethostname()
         node_ip = "127.0.0.1"
@@ -158,12 +156,12 @@ class ShardWorker:
         except Exception:   # plain-class use in unit tests: no Ray worker context
             pass
         gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else None
-        return {"bundle_index": self.bundle_index, "node_id": node_id, "node_ip": node_ip, "gpu_ids": gpu_ids,
-                "gpu_uuid": gpu_uuid, "pid": os.getpid(), "device": str(self.device), "backend": self.backend.get_name(),
-                "kernel_version": self.backend.kernel_version(), "lse_base": self.backend.lse_base.name,
-                "num_blocks": self.num_blocks, "kernel_block_size": self.kernel_block_size, "ready": self._ready,
-                "kv_cache_dtype": str(self.cache_dtype).removeprefix("torch."),
-                "kv_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)}
+        return ShardInfo(bundle_index=self.bundle_index, node_id=node_id, node_ip=node_ip, gpu_ids=gpu_ids,
+                         gpu_uuid=gpu_uuid, pid=os.getpid(), device=str(self.device), backend=self.backend.get_name(),
+                         kernel_version=self.backend.kernel_version(), lse_base=self.backend.lse_base.name,
+                         num_blocks=self.num_blocks, kernel_block_size=self.kernel_block_size, ready=self._ready,
+                         kv_cache_dtype=str(self.cache_dtype).removeprefix("torch."),
+                         kv_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches))
 
     def ping(self, secret: str | None = None) -> bool:
         return not self._hang

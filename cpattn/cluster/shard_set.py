@@ -15,10 +15,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
+from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.cluster.shard import RemoteShard
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, ServiceError
+from cpattn.errors import ServiceError
 
 logger = logging.getLogger("cpattn.coordinator")
 
@@ -31,14 +33,12 @@ CONTROL_THREADS = 4
 
 def probe_backend(config: ServiceConfig, backend_registry: dict | None) -> str:
     """Select the shards' backend as a shard would; raises BackendUnavailableError with ``.reasons``."""
-    from cpattn.attention import get_attn_backend
+    from cpattn.attention import select_backend
     from cpattn.attention.registry import apply_registry_state
 
     if backend_registry:
         apply_registry_state(backend_registry)
-    return get_attn_backend(config.backend, head_size=config.head_size, dtype=config.torch_dtype,
-                            block_size=config.block_size, num_q_heads=config.num_q_heads,
-                            num_kv_heads=config.num_kv_heads, device=config.resolved_device()).get_name()
+    return select_backend(config).get_name()
 
 
 def shard_actor_name(service_name: str, bundle_index: int) -> str:
@@ -72,7 +72,7 @@ class ShardSet:
         self.operator_digest = operator_digest      # lets the operator read checksums and group names
         self._backend_registry = backend_registry   # plugin backends, replayed in every shard process
         self.handles: list = []                     # actor handles, index = rank (None while missing)
-        self.infos: list[dict] = []                 # what each shard reported (node, device, backend ...)
+        self.infos: list[ShardInfo] = []            # what each shard reported (node, device, backend ...)
         self.lost: dict[int, str] = {}              # rank -> why, until replaced
         self._silent_since: dict[int, float] = {}   # rank -> when its first unanswered ping was sent
         self._pg = None
@@ -80,7 +80,7 @@ class ShardSet:
 
     def check_backend(self) -> None:
         """Before anything is placed: an explicit backend that cannot serve here raises BackendUnavailableError
-        with every reason (what get_attn_backend says), instead of shards dying in their constructors.
+        with every reason (what select_backend says), instead of shards dying in their constructors.
 
         CPU shards are checked in this process. GPU shards are checked by a probe task in the first bundle
         once the placement group is ready (``probe_backend_in_bundle``), since this process may have no GPU.
@@ -98,8 +98,7 @@ class ShardSet:
         try:
             ray.get(probe.remote(cfg, self._backend_registry), timeout=cfg.start_timeout_s)
         except ray.exceptions.RayTaskError as exc:
-            if isinstance(getattr(exc, "cause", None), CpattnError):
-                raise exc.cause from None
+            raise_remote_cause(exc)
             raise
 
     def start(self) -> None:
@@ -128,17 +127,14 @@ class ShardSet:
             try:
                 infos = ray.get([h.info.remote(self.secret) for h in handles], timeout=cfg.start_timeout_s)
             except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, CpattnError):
-                    raise cause from None
+                raise_remote_cause(exc)
                 raise ServiceError(f"a shard failed to start: {exc}") from exc
             except ray.exceptions.RayActorError as exc:
                 raise ServiceError(f"a shard failed to start: {creation_error(exc)}") from exc
-            ranks = assign_ranks([ShardLocation(i["bundle_index"], i["node_ip"], i["node_id"], tuple(i["gpu_ids"]))
-                                  for i in infos])
+            ranks = assign_ranks([ShardLocation(i.bundle_index, i.node_ip, i.node_id, tuple(i.gpu_ids)) for i in infos])
             by_rank = sorted(range(len(handles)), key=lambda i: ranks[i])
             self.handles = [handles[i] for i in by_rank]
-            self.infos = [dict(infos[i], rank=r) for r, i in enumerate(by_rank)]
+            self.infos = [infos[i].with_rank(r) for r, i in enumerate(by_rank)]
         except BaseException:
             self.teardown()
             raise
@@ -149,11 +145,11 @@ class ShardSet:
         self._pg = ray.util.get_placement_group(placement_group_name(cfg.name))
         self.handles, self.infos = [], []
         for rank, bundle in enumerate(bundles):
-            handle, info = None, {"bundle_index": bundle, "rank": rank}
+            handle, info = None, ShardInfo(bundle_index=bundle, rank=rank)
             try:
                 handle = ray.get_actor(shard_actor_name(cfg.name, bundle), namespace=cfg.namespace)
-                info = dict(ray.get(handle.info.remote(self.secret), timeout=cfg.rpc_timeout_s), rank=rank)
-                if not info.get("ready", True):
+                info = ray.get(handle.info.remote(self.secret), timeout=cfg.rpc_timeout_s).with_rank(rank)
+                if not info.ready:
                     self.lost[rank] = "a replacement whose refill had not finished when the coordinator restarted"
             except Exception as exc:   # gone while the coordinator was down: the health check replaces it
                 self.lost[rank] = f"missing after coordinator restart ({type(exc).__name__})"
@@ -162,7 +158,7 @@ class ShardSet:
 
     @property
     def bundles(self) -> list[int]:
-        return [i["bundle_index"] for i in self.infos]
+        return [i.bundle_index for i in self.infos]
 
     def _new_shard(self, bundle_index: int, ready: bool = True):
         cfg = self.config
@@ -234,9 +230,10 @@ class ShardSet:
             pass
         deadline = time.monotonic() + self.config.start_timeout_s
         while True:
-            new = self._new_shard(self.infos[rank]["bundle_index"], ready=False)   # ready once refilled
+            new = self._new_shard(self.infos[rank].bundle_index, ready=False)   # ready once refilled
             try:
-                return new, dict(ray.get(new.info.remote(self.secret), timeout=max(1.0, deadline - time.monotonic())), rank=rank)
+                return new, ray.get(new.info.remote(self.secret),
+                                    timeout=max(1.0, deadline - time.monotonic())).with_rank(rank)
             except ray.exceptions.GetTimeoutError:
                 # Its node is unreachable (partition) or full: do not leave it to start later and hold the bundle.
                 ray.kill(new, no_restart=True)
@@ -255,7 +252,7 @@ class ShardSet:
         now = time.monotonic()
         return {r: now - t for r, t in dict(self._silent_since).items() if r not in self.lost}
 
-    def install(self, rank: int, handle, info: dict) -> None:
+    def install(self, rank: int, handle, info: ShardInfo) -> None:
         """Make a started replacement the shard of ``rank``."""
         with self._lock:
             self.handles[rank] = handle

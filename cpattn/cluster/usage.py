@@ -23,7 +23,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
     shards = []
     for rank in range(cfg.num_shards):
         pool = table.allocator.pools[rank]
-        info = infos[rank] if rank < len(infos) else {}
+        info = infos[rank].as_dict() if rank < len(infos) else {}
         shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
                        "blocks_shared": pool.num_shared_blocks,
                        "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
@@ -34,8 +34,8 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
     return {"shards": shards, "num_sequences": len(table.sequences), "clients": per_client,
             "other_clients": {"clients": num_other_clients, **others},
             "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
-            "backend": infos[0]["backend"] if infos else None,
-            "kernel_version": infos[0]["kernel_version"] if infos else None,
+            "backend": infos[0].backend if infos else None,
+            "kernel_version": infos[0].kernel_version if infos else None,
             "steps_committed": steps.num_committed, "steps_rolled_back": steps.num_rolled_back,
             "shards_replaced": extra["shards_replaced"], "epoch": extra["epoch"], "open_steps": len(steps),
             "num_clients": len(clients)}

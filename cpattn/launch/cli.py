@@ -10,41 +10,18 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
-from cpattn.launch.common import Parser
+from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, Parser
 
-# Fields set by their own flags (--name, --namespace, --address) or fixed by `serve` (detached).
-_SERVICE_FLAG_EXCLUDED = {"name", "namespace", "ray_address", "detached"}
 _PASSTHROUGH = {"bench": "cpattn.launch.bench", "demo": "cpattn.launch.demo"}
 _COMMANDS = {"serve": ("cpattn.launch.serve", "serve"), "status": ("cpattn.launch.status", "status"),
              "stop": ("cpattn.launch.status", "stop"), "list": ("cpattn.launch.status", "list_services"),
              "submit": ("cpattn.launch.submit", "submit")}
 _CLUSTER_HELP = ("Ray cluster of the service: 'auto', 'head:6379' or 'ray://head:10001' "
                  "(default: RAY_ADDRESS, else auto: the cluster on this machine)")
-
-
-def _field_docs() -> dict[str, str]:
-    """ServiceConfig's field docstrings (attribute docstrings are not kept by pydantic), for --help."""
-    from cpattn import config
-
-    tree = ast.parse(Path(config.__file__).read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServiceConfig")
-    docs, last = {}, None
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            last = node.target.id
-        elif (last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-              and isinstance(node.value.value, str)):
-            docs[last] = " ".join(node.value.value.split())
-            last = None
-        else:
-            last = None
-    return docs
 
 
 def _add_target_flags(p: argparse.ArgumentParser, address_help: str) -> None:
@@ -63,14 +40,13 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     """One --flag per ServiceConfig field; values are strings that pydantic validates (and names on error)."""
     from cpattn.config import ServiceConfig
 
-    docs = _field_docs()
     group = p.add_argument_group("service fields (override the YAML file)")
     for field, info in ServiceConfig.model_fields.items():
-        if field in _SERVICE_FLAG_EXCLUDED:
+        if field in SERVICE_FLAG_EXCLUDED:
             continue
         default = info.default
         group.add_argument("--" + field.replace("_", "-"), dest=field, default=None, metavar="V",
-                           help=f"{docs.get(field, '')} (default: {default})".replace("%", "%%"))
+                           help=f"{' '.join((info.description or '').split())} (default: {default})".replace("%", "%%"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,9 @@ import difflib
 import os
 import re
 
+# ServiceConfig fields with no --flag of their own: set by --name, --namespace, --address, or fixed by serve (detached).
+SERVICE_FLAG_EXCLUDED = {"name", "namespace", "ray_address", "detached"}
+
 
 class Parser(argparse.ArgumentParser):
     """cpattn's argument policy, for every command: no prefix matching (``--num-shard 4`` is an error, not

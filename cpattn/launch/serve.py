@@ -10,13 +10,12 @@ import threading
 import time
 
 from cpattn.config import ServiceConfig, load_config
-from cpattn.launch.cli import _SERVICE_FLAG_EXCLUDED
-from cpattn.launch.common import default_address
+from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, default_address
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     """The service config: YAML file values, overridden by every flag given. Raises ConfigError."""
-    overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in _SERVICE_FLAG_EXCLUDED}
+    overrides = {f: getattr(args, f, None) for f in ServiceConfig.model_fields if f not in SERVICE_FLAG_EXCLUDED}
     # --address, else RAY_ADDRESS (as every command), else the file's ray_address, else an embedded Ray.
     overrides.update(name=args.name, namespace=args.namespace, ray_address=default_address(args.address),
                      detached=True)
@@ -31,20 +30,15 @@ def serve(args: argparse.Namespace) -> int:
 
     from cpattn.cluster.authority import new_operator_credential
     from cpattn.cluster.reach import AUTH_MODE_ENV, use_token_auth
-    from cpattn.cluster.service import check_backend, ensure_ray, launch_coordinator
+    from cpattn.cluster.service import check_backend, launch_coordinator, ray_for
     from cpattn.launch import operator
 
-    check_backend(cfg)   # CPU shards: an unusable backend fails before Ray starts, with every reason, once
+    check_backend(cfg)   # a backend that cannot serve the settings fails before Ray starts, with every reason
     embedded = cfg.ray_address is None and not ray.is_initialized()
-    started_ray = ensure_ray(cfg.ray_address, cfg.namespace, num_cpus_hint=cfg.num_shards * cfg.num_cpus_per_shard)
-    operator_credential = new_operator_credential()
-    try:
+    with ray_for(cfg) as started_ray:
+        operator_credential = new_operator_credential()
         coordinator = launch_coordinator(cfg, operator_credential)
         described = ray.get(coordinator.describe.remote(operator_credential), timeout=cfg.rpc_timeout_s)
-    except BaseException:
-        if started_ray:
-            ray.shutdown()
-        raise
     shards = described["shards"]
     nodes = sorted({s["node_id"] for s in shards})
     first = shards[0]

@@ -100,6 +100,7 @@ def status(args: argparse.Namespace) -> int:
 def stop(args: argparse.Namespace) -> int:
     import ray
 
+    from cpattn.cluster.rpc import raise_remote_cause
     from cpattn.cluster.service import find_coordinator, stop_coordinator
     from cpattn.config import ServiceConfig
     from cpattn.errors import AccessDeniedError
@@ -113,8 +114,7 @@ def stop(args: argparse.Namespace) -> int:
         try:   # the config lets stop remove what a dead coordinator left (named shards, placement group)
             config = ServiceConfig(**ray.get(coordinator.describe.remote(credential), timeout=_STATUS_TIMEOUT_S)["config"])
         except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, AccessDeniedError):
-                raise exc.cause from None
+            raise_remote_cause(exc, AccessDeniedError)
             config = None
         except Exception:
             config = None

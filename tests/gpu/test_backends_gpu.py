@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpattn.attention import LseBase, merge_attn_states, to_natural_lse
-from cpattn.attention.backends.torch_ref import ragged_causal_attention
+from cpattn.attention.ops.reference import ragged_causal_attention
 from cpattn.attention.registry import PRIORITY, load_backend_class
 from cpattn.attention.selector import clear_selector_cache, get_attn_backend
 from cpattn.errors import BackendUnavailableError
@@ -86,7 +86,7 @@ def test_lse_base_declared_matches_kernel(name):
 def test_dcp_one_gpu_equals_single_call(name, world, shape):
     """N shards each run the backend on their local context (causal=False), the new tokens' causal
     part runs once (forward_new_tokens), the GPU merge combines them: equals single-call attention."""
-    from cpattn.attention.merge_triton import merge_partials
+    from cpattn.attention.ops.merge import merge_partials
 
     dtype, hq, hk, d = torch.bfloat16, 8, 2, 128
     cls = _backend_or_skip(name, d, dtype, 16, hq, hk)

@@ -30,7 +30,7 @@ def _service(graphs: str, replicas: int, windows: bool = False):
             self.graphed_steps = 0
 
         def step(self, request, layers_qkv, sinks):
-            from cpattn.cluster.gateway import merge_rows
+            from cpattn.attention.ops.merge import merge_rows
             from cpattn.cluster.step_planner import StepRequest, plan_step
 
             reqs = [StepRequest(self.rows[s], self.lens[s], n) for s, n in request.items()]

@@ -27,7 +27,8 @@ import torch
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig)
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
-from cpattn.attention.merge import LseBase
+from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
+from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -81,8 +82,8 @@ def generation_reasons(gen: str, config: AttentionSelectorConfig) -> list[str]:
             reasons.append(f"needs compute capability >= 8.0, device has {cap}")
     if config.block_size % PAGE_MULTIPLE[gen]:
         reasons.append(f"page size {config.block_size} is not a multiple of {PAGE_MULTIPLE[gen]}")
-    if config.head_size % 8 or config.head_size > 256:
-        reasons.append(f"head_size {config.head_size} not supported (multiple of 8, at most 256)")
+    if not head_size_ok(config.head_size):
+        reasons.append(f"head_size {config.head_size} not supported (must be {HEAD_SIZE_RULE})")
     return reasons
 
 

@@ -25,7 +25,7 @@ from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, Atte
                                       AttentionMetadataBuilder, AttentionSelectorConfig)
 from cpattn.attention.batch_split import split_decodes_and_prefills
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
-from cpattn.attention.merge import LseBase
+from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import block_table_to_csr
 

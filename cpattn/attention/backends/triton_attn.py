@@ -17,7 +17,7 @@ import torch
 
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
-from cpattn.attention.merge import LseBase
+from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 

@@ -315,7 +315,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step).
     ``key_start`` (int32, one per decode): a sliding window's first visible key (keys before it are not read).
     ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap)."""
-    from cpattn.attention.merge import LseBase
+    from cpattn.attention.ops.lse import LseBase
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
     num_tok = tok_idx.numel()

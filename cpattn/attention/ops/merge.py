@@ -1,4 +1,4 @@
-"""Base-aware merge of partial attention states by log-sum-exp.
+"""Base-aware merge of partial attention states by log-sum-exp; sinks; rows merged across shards.
 
 Legend: N partials, T tokens, H heads, D head size.
 For partials (o_n, l_n) over disjoint key sets, with l_n natural-log LSEs:
@@ -10,30 +10,13 @@ update in FlashAttention / ring attention).
 
 from __future__ import annotations
 
-import enum
 import math
 
 import torch
 
+from cpattn.attention.ops.lse import LseBase, to_natural_lse
+from cpattn.attention.ops.partials import stack_partials
 from cpattn.errors import InvalidRequestError
-
-
-class LseBase(enum.Enum):
-    """Logarithm base a kernel reports its LSE in."""
-
-    E = "e"      # FlashAttention, torch: log(sum exp(s))
-    TWO = "2"    # FlashInfer: log2(sum 2^(s * log2 e))
-
-    @property
-    def to_natural(self) -> float:
-        return 1.0 if self is LseBase.E else math.log(2.0)
-
-
-def to_natural_lse(lse: torch.Tensor, base: LseBase) -> torch.Tensor:
-    """The one place LSE bases are converted: base-b LSE -> natural log (-inf stays -inf)."""
-    if not isinstance(base, LseBase):
-        raise InvalidRequestError(f"lse_base must be an LseBase (E or TWO), got {base!r}")
-    return lse if base is LseBase.E else lse * base.to_natural
 
 
 def merge_attn_states(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
@@ -48,14 +31,7 @@ def merge_attn_states(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: to
         out [T, H, D] in the dtype of ``outs`` and lse [T, H] natural log; computed in float32
         (float64 when the inputs are float64).
     """
-    outs = torch.stack(list(outs_NTHD)) if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
-    lses = torch.stack(list(lses_NTH)) if isinstance(lses_NTH, (list, tuple)) else lses_NTH
-    if outs.dim() != 4 or lses.dim() != 3 or outs.shape[:3] != lses.shape:
-        raise InvalidRequestError(
-            f"merge_attn_states needs outs [N,T,H,D] and lses [N,T,H] with matching N,T,H; "
-            f"got {tuple(outs.shape)} and {tuple(lses.shape)}")
-    if outs.shape[0] == 0:
-        raise InvalidRequestError("merge_attn_states needs at least one partial (N >= 1)")
+    outs, lses = stack_partials(outs_NTHD, lses_NTH, "merge_attn_states")
     compute = torch.float64 if outs.dtype == torch.float64 or lses.dtype == torch.float64 else torch.float32
     lse = to_natural_lse(lses.to(compute), lse_base)
     lse_max = lse.amax(dim=0)
@@ -89,3 +65,49 @@ def apply_sinks(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, sinks_Q: torch.Tens
     new_lse = torch.logaddexp(lse, sinks_Q.to(lse.device, compute)[None, :])
     keep = torch.exp(lse - new_lse)                                   # exp(-inf) = 0 for an empty row
     return (out_TQD.to(compute) * keep[..., None]).to(out_TQD.dtype), new_lse
+
+
+def merge_partials(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
+                   lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
+    """The service's merge: the Triton kernel for CUDA 16/32-bit tensors, ``merge_attn_states`` otherwise."""
+    first = outs_NTHD[0] if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
+    if first.is_cuda and first.dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_available():
+        # The kernel module sits beside this floor and imports only from it (ops.lse, errors).
+        from cpattn.attention.merge_triton import merge_attn_states_triton
+
+        return merge_attn_states_triton(outs_NTHD, lses_NTH, lse_base)
+    return merge_attn_states(outs_NTHD, lses_NTH, lse_base)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int,
+               sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more.
+    Sink logits (``sinks_Q``), when given, enter the merged state once."""
+    if sinks_Q is not None:
+        return apply_sinks(*_merge_rows_lse(parts, num_tokens), sinks_Q)[0]
+    return _merge_rows_lse(parts, num_tokens)[0]
+
+
+def _merge_rows_lse(parts, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1], parts[0][2]
+    _, first, first_lse = parts[0]
+    if all(rows is None for rows, _, _ in parts):
+        return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))
+    outs_NTQD = first.new_zeros((len(parts), num_tokens) + tuple(first.shape[1:]))
+    lses_NTQ = first_lse.new_full((len(parts), num_tokens) + tuple(first_lse.shape[1:]), float("-inf"))
+    for n, (rows, out, lse) in enumerate(parts):
+        if rows is None:
+            outs_NTQD[n], lses_NTQ[n] = out, lse
+        else:
+            outs_NTQD[n].index_copy_(0, rows, out)
+            lses_NTQ[n].index_copy_(0, rows, lse)
+    return merge_partials(outs_NTQD, lses_NTQ)
