@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cpattn.attention.backends.torch_ref as torch_ref
+from cpattn.attention.ops import reference
 from cpattn.attention import AttentionSpec, make_causal_metadata
 from cpattn.attention.cascade import find_shared_prefixes
 from cpattn.attention.metadata import make_dcp_context_metadata
@@ -77,14 +78,14 @@ def test_cascade_matches_the_oracle_and_reads_the_prefix_once(monkeypatch, causa
     assert plan.shared_prefixes == find_shared_prefixes(batch.table, torch.tensor(batch.context_lens), BLOCK)
     assert [(p.requests, p.num_keys) for p in plan.shared_prefixes] == [((0, 1, 2, 3, 4), 8)]
     reads = []
-    real_gather = torch_ref.gather_request_kv
+    real_gather = reference.gather_request_kv
 
     def counting_gather(cache, row, seq_len, first_key=0, *args):
         first_page = min(first_key // BLOCK, -(-seq_len // BLOCK))
         reads.extend(row[first_page:-(-seq_len // BLOCK)].tolist())
         return real_gather(cache, row, seq_len, first_key, *args)
 
-    monkeypatch.setattr(torch_ref, "gather_request_kv", counting_gather)
+    monkeypatch.setattr(reference, "gather_request_kv", counting_gather)   # torch_ref reads it there
     k_new, v_new = batch.new_kv()
     out, lse = impl.forward(0, batch.q, k_new, v_new, batch.cache.clone(), plan)
     root_pages = batch.table[0, :2].tolist()

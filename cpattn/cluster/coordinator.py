@@ -256,7 +256,7 @@ class Coordinator:
             self.table.check_quota(client_id, num_tokens)
             growth = self.table.grow([seq], [seq.length + num_tokens])
             plans = plan_step(self.table.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
-                              self.incarnation, self._shard_secret, growth)
+                              self.incarnation, self._shard_secret, growth=growth)
             self.table.begin([seq], -1)
             shards = list(self.shard_set.handles)
         try:

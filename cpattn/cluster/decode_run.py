@@ -61,8 +61,8 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
     was 60% of a run's plan)."""
     tables: dict = {}
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
-                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret, cfg.row_window(),
-                      growths[j], tables)
+                      step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret,
+                      row_window=cfg.row_window(), growth=growths[j], tables=tables)
             for j, step_id in enumerate(step_ids)]
 
 

@@ -51,7 +51,7 @@ class StepRequest:
 
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
-              auth: str | None = None, row_window: int | None = None, growth: Growth | None = None,
+              auth: str | None = None, *, row_window: int | None = None, growth: Growth | None = None,
               tables: dict | None = None) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
     secret the plans carry (a shard runs only plans of its coordinator). ``row_window``: every layer's window
