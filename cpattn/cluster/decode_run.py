@@ -56,13 +56,17 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
 def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
                step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str,
                growths: list[Growth]) -> list[list[ShardStepPlan]]:
-    """Every rank's plan of each step (a plain step: one; ``growths[j]`` its pages, with any copy on write);
-    every page is allocated, so the block tables gathered for the first step serve all (gathering them again
-    was 60% of a run's plan)."""
+    """Every rank's plan of each step (a plain step: one; ``growths[j]`` its pages).
+
+    Every page of the run is allocated before it is planned, so the block tables gathered for the first step
+    serve all (gathering them again was 60% of a run's plan). Those tables already hold every copy-on-write
+    page of the run, so the first step makes all the run's copies (a shared page never changes while shared:
+    copying it early is exact, and a step given back undoes its copy with its growth)."""
     tables: dict = {}
+    first = Growth(copies=[c for g in growths for c in g.copies])
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
                       step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret,
-                      row_window=cfg.row_window(), growth=growths[j], tables=tables)
+                      row_window=cfg.row_window(), growth=first if j == 0 else None, tables=tables)
             for j, step_id in enumerate(step_ids)]
 
 

@@ -143,8 +143,8 @@ class Gateway(RunControl):
             run = self.run
             if run is not None and continuing is not None and run.continues(continuing):
                 pass   # the run's commits are read when it ends (a read per step would be a round trip per step)
-            elif run is not None and (end_run or continuing is not None):
-                self.end_run()
+            elif run is not None and (continuing is not None or (end_run and self.open_step is None)):
+                self.end_run()   # not under an open step of it: its shards wait for that step's layers
             elif run is not None and run.commits:
                 commits, run.commits = run.commits, []
                 call(commits, self.config.rpc_timeout_s, "end_step")
