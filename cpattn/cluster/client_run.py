@@ -12,6 +12,7 @@ itself (RunReaper) well before that wait could reach the data plane's timeout.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,9 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
 from cpattn.cluster.rpc import call
+from cpattn.errors import ServiceError, ShardLostError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("cpattn")
 
 FIRST_RUN_STEPS = 4
 """A decode loop's first run; each run it finishes doubles the next (up to decode_run_steps), each run it
@@ -124,10 +128,22 @@ class RunControl:
                 return
             self.run_length = FIRST_RUN_STEPS
             call(run.commits, self.config.rpc_timeout_s, "end_step")
+            why = None
             if self.plane is not None and not self.plane_broken:
                 step_id = run.first_step_id + run.index
-                self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
-            report = self.end_step(run.first_step_id, True, None, done=run.index, ends_run=True)
+                try:
+                    self.plane.send_run_header(CMD_END, run.index, step_id, run.num_tokens, self.device)
+                except RuntimeError as exc:   # gloo: a shard died since the run's last step
+                    self.plane_broken, why = True, f"data plane: {type(exc).__name__}: {exc}"
+            try:
+                report = self.end_step(run.first_step_id, True, why, done=run.index, ends_run=True)
+            except ServiceError as exc:
+                if isinstance(exc, ShardLostError):
+                    raise
+                # The run's finished steps stay committed and none was in flight: nothing to run again.
+                logger.warning("decode run ended after a shard failure (its %d steps are kept): %s", run.index, exc)
+                self.plane_broken = True
+                return
             if run.timings:
                 self.committed(run.timings[-1], report, run.timings[:-1])
             if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
