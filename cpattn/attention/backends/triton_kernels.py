@@ -64,12 +64,16 @@ def _kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, kv0,
 
 @triton.jit
 def _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale_log2, cap_in, cap_out,
-                         MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr):
+                         MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, KEYS_A: tl.constexpr):
     """One key tile into the running (acc, m, l) of base-2 online softmax. fp8: K's page scale multiplies the
     dot's columns and V's the probabilities (the fp8 values convert to the dot's dtype exactly). Soft cap:
     the scaled logit s becomes cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (cap_in = 2 log2(e) * scale
-    / cap, cap_out = cap * log2(e))."""
-    raw = tl.dot(q, tl.trans(k.to(q.dtype)))
+    / cap, cap_out = cap * log2(e)). KEYS_A: ``q`` is passed transposed [D, G] and the keys are the dot's first
+    operand, taken from registers right after their fp8 conversion (no transposed copy of the tile)."""
+    if KEYS_A:
+        raw = tl.trans(tl.dot(k.to(q.dtype), q))
+    else:
+        raw = tl.dot(q, tl.trans(k.to(q.dtype)))
     if FP8:
         raw = raw * k_scale[None, :]
     if SOFTCAP:
@@ -105,7 +109,7 @@ def _paged_decode_kernel(
     scale_log2, cap_in, cap_out,
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, KEYS_A: tl.constexpr,
 ):
     i = tl.program_id(0)
     kh = tl.program_id(1)
@@ -134,6 +138,8 @@ def _paged_decode_kernel(
     heads = kh * G + offs_g
     q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KEYS_A:
+        q = tl.trans(q)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -146,7 +152,7 @@ def _paged_decode_kernel(
                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                           stride_sp, scale_div, offs_d, d_mask, PS, True, True, FP8)
         acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
-                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, KEYS_A)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -239,7 +245,7 @@ def _prefill_kernel(
                                           stride_sp, scale_div, offs_d, d_mask, PS, PAGED, True, FP8)
         visible = (pos[None, :] < limit[:, None]) & (pos[None, :] >= kstart[:, None])
         acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i,
-                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, False)
     # Full tiles: every row sees every key, no mask.
     for n in range(b0, lo, BLOCK_N):
         pos = n + offs_n
@@ -247,7 +253,7 @@ def _prefill_kernel(
                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                           stride_sp, scale_div, offs_d, d_mask, PS, PAGED, False, FP8)
         acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, None, acc, m_i, l_i,
-                                             scale_log2, cap_in, cap_out, False, FP8, SOFTCAP)
+                                             scale_log2, cap_in, cap_out, False, FP8, SOFTCAP, False)
     # Boundary tiles: per-row limit (causal diagonal, sequence end), and the window's start.
     for n in range(lo, hi, BLOCK_N):
         pos = n + offs_n
@@ -257,7 +263,7 @@ def _prefill_kernel(
                                           stride_sp, scale_div, offs_d, d_mask, PS, PAGED, True, FP8)
         visible = (pos[None, :] < limit[:, None]) & (pos[None, :] >= kstart[:, None])
         acc, m_i, l_i = _online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i,
-                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+                                             scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, False)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -277,6 +283,9 @@ def _num_sms(device: torch.device) -> int:
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
 # length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8)
+# An fp8 cache's tiles: what differs from DECODE_CONFIG (keys_a: the keys as the dot's first operand, see
+# _online_softmax_tile; measured with benchmarks/triton_fp8_sweep.py).
+DECODE_CONFIG_FP8 = dict(keys_a=False)
 
 
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
@@ -326,12 +335,13 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = hq // hk
     block_g = max(16, triton.next_power_of_2(g))
     block_d = triton.next_power_of_2(d)
-    cfg = DECODE_CONFIG
+    cfg = {**DECODE_CONFIG, "keys_a": False, **(DECODE_CONFIG_FP8 if kv_scale is not None else {})}
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
     grid = (num_tok, hk, splits)
     feature_args, flags = _feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
     common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2, **flags)
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2,
+                  KEYS_A=cfg["keys_a"], **flags)
     ks, vs, stride_sp, scale_div, *logit_args = feature_args
     args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
                  kv_lens if key_start is None else key_start, ks, vs)

@@ -1,0 +1,120 @@
+"""Launch configurations of the TRITON paged decode kernel, swept on one GPU: bf16 and fp8 caches.
+
+Times one decode (B=1, Hq 32, Hk 8, D 128, page 16: cp_scaling's geometry) over ``--contexts`` keys for
+each (tile length, warps, stages, splits per SM, fp8 tiling) and checks each result against the default
+configuration's output (a fast wrong tiling is not a candidate). Kernels are replayed from a CUDA graph
+(10 calls per replay), so the times are the kernels', not Python's.
+
+    python benchmarks/triton_decode_sweep.py [--contexts 131072,1048576] [--json PATH]
+Prints the best configurations per (context, dtype) and writes every row as JSON. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+HQ, HK, D, PS = 32, 8, 128, 16
+
+
+def _cache(n: int, fp8: bool, device):
+    g = torch.Generator(device=device).manual_seed(7)
+    pages = n // PS + 1
+    cache = torch.randn(2, pages, PS, HK, D, generator=g, device=device, dtype=torch.bfloat16)
+    q = torch.randn(1, HQ, D, generator=g, device=device, dtype=torch.bfloat16)
+    table = torch.randperm(pages, device=device, dtype=torch.int64)[None].to(torch.int32)
+    scales = None
+    if fp8:
+        amax = cache.float().abs().amax(dim=(2, 4))                         # [2, pages, Hk]
+        scales = (amax / 448.0).contiguous()
+        cache = (cache.float() / scales[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return q, cache, table, scales
+
+
+def _run(tk, q, cache, table, scales, n, splits, out, lse):
+    dev = q.device
+    idx = torch.zeros(1, dtype=torch.int32, device=dev)
+    lens = torch.full((1,), n, dtype=torch.int32, device=dev)
+    tk.paged_decode(q, cache[0], cache[1], table, idx, idx, lens, splits, D ** -0.5, out, lse, all_rows=True,
+                    kv_scale=scales)
+
+
+def _time(fn, iters: int = 10, replays: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (iters * replays) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="131072,1048576")
+    parser.add_argument("--json", default="benchmarks/results/triton_decode_sweep.json")
+    args = parser.parse_args()
+    from cpattn.attention.backends import triton_kernels as tk
+
+    dev = torch.device("cuda")
+    base_cfg, base_fp8 = dict(tk.DECODE_CONFIG), dict(tk.DECODE_CONFIG_FP8)
+    rows = []
+    contexts = [int(c) for c in args.contexts.split(",")]
+    for n in contexts:
+        for fp8 in (False, True) if n == max(contexts) else (False,):
+            q, cache, table, scales = _cache(n, fp8, dev)
+            out = torch.empty(1, HQ, D, dtype=torch.bfloat16, device=dev)
+            lse = torch.empty(1, HQ, dtype=torch.float32, device=dev)
+            tk.DECODE_CONFIG.update(base_cfg)
+            tk.DECODE_CONFIG_FP8.clear()
+            tk.DECODE_CONFIG_FP8.update(base_fp8)
+            splits0 = tk.decode_num_splits(1, HK, n, dev)
+            _run(tk, q, cache, table, scales, n, splits0, out, lse)
+            ref = out.float().clone()
+            grid = itertools.product((64, 128, 256), (4, 8), (3, 4), (2, 4), (False, True) if fp8 else (False,))
+            for block_n, warps, stages, waves, keys_a in grid:
+                cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
+                if fp8:
+                    tk.DECODE_CONFIG_FP8.update(cfg, keys_a=keys_a)
+                    tk.DECODE_CONFIG.update(waves=waves)
+                else:
+                    tk.DECODE_CONFIG.update(cfg)
+                splits = tk.decode_num_splits(1, HK, n, dev, block_n=block_n)
+                row = dict(context=n, kv="fp8_e4m3" if fp8 else "bf16", splits=splits, keys_a=keys_a, **cfg)
+                try:
+                    ms = _time(lambda: _run(tk, q, cache, table, scales, n, splits, out, lse))
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    row.update(ms=ms, rel_vs_default=err)
+                except Exception as exc:   # a tiling that does not fit shared memory: recorded, not fatal
+                    row.update(error=f"{type(exc).__name__}: {str(exc)[:120]}")
+                rows.append(row)
+            tk.DECODE_CONFIG.update(base_cfg)
+            tk.DECODE_CONFIG_FP8.clear()
+            tk.DECODE_CONFIG_FP8.update(base_fp8)
+            ok = sorted((r for r in rows if r["context"] == n and r["kv"] == ("fp8_e4m3" if fp8 else "bf16")
+                         and "ms" in r and r["rel_vs_default"] < 2e-2), key=lambda r: r["ms"])
+            default = next(r for r in ok if r["waves"] == base_cfg["waves"]) if ok else None
+            print(f"context {n} {'fp8_e4m3' if fp8 else 'bf16'}: {len(ok)} valid tilings; best 5:")
+            for r in ok[:5]:
+                print("   ", {k: r[k] for k in ("ms", "block_n", "num_warps", "num_stages", "waves", "splits", "keys_a")})
+            if default:
+                print("    (first at default waves)", {k: default[k] for k in ("ms", "block_n", "num_warps", "num_stages")})
+    with open(args.json, "w") as f:
+        json.dump(dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       rows=rows), f, indent=1)
+    print("wrote", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
