@@ -271,6 +271,7 @@ class Gateway(RunControl):
         for t in steps:
             t["plan_s"] += report.get("shard_plan_s", 0.0) / len(steps)
             t["attention_s"] = report.get("attention_s", 0.0) / len(steps)
+        timings["shard_graphed_steps"] = report.get("shard_graphed_steps", 0)   # of the whole run
         self.last_step_timings = dict(timings)
 
     def wait_for_device(self, wire: StepWire) -> None:

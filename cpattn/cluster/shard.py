@@ -19,6 +19,7 @@ from cpattn.attention import select_backend, write_kv_cache
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.shard_graphs import ShardStepGraphs
 from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, connect_group,
                                        partial_tag)
 from cpattn.cluster.fencing import StepFence
@@ -108,6 +109,7 @@ class ShardWorker:
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
+        self._step_graphs: dict[str, ShardStepGraphs] = {}   # per NCCL group: whole decode steps (shard_graphs)
         self._admitted: dict[str, float] = {}   # ticket -> when it expires (a ticket joins once)
         self._ended: dict[str, float] = {}      # client id -> when it ended (its older tickets are void)
         self._joining: dict[str, int] = {}      # client id -> joins whose handshake is still running
@@ -290,9 +292,10 @@ class ShardWorker:
         """A step of a fenced incarnation: write nothing, and drop its group so the client's collective fails
         now (the client then learns from the coordinator that the step must be run again)."""
         with self._lock:
-            for name in [n for n, p in self._groups.items() if p is plane]:
+            names = [n for n, p in self._groups.items() if p is plane]
+            for name in names:
                 del self._groups[name]
-                self._graphs.pop(name, None)
+        self._drop_graphs(names)
         plane.close()
         logger.warning("shard %d: step %d of coordinator incarnation %d refused (fenced at %d)", self.bundle_index,
                        plan.step_id, plan.incarnation, self._fence.floor)
@@ -382,8 +385,7 @@ class ShardWorker:
             self._ended[client_id] = time.time() if ended_at is None else ended_at
             names = [n for n in self._groups if n.startswith(f"{client_id}-")]
             planes = [self._groups.pop(n) for n in names]
-            for name in names:
-                self._graphs.pop(name, None)
+        self._drop_graphs(names)
         for plane in planes:
             plane.close()
         return len(planes)
@@ -396,9 +398,20 @@ class ShardWorker:
         """Leaving needs a genuine ticket of the group (checked by the surface), spent or expired or not."""
         with self._lock:
             plane = self._groups.pop(group_name, None)
-            self._graphs.pop(group_name, None)
+        self._drop_graphs([group_name])
         if plane is not None:
             plane.close()
+
+    def _drop_graphs(self, names: list[str]) -> None:
+        """Forget the groups' graphs; step graphs captured NCCL work, so they go before the communicator does
+        (destroying a communicator that captured graphs still hold hangs in its abort)."""
+        with self._lock:
+            dropped = [self._step_graphs.pop(n, None) for n in names]
+            for name in names:
+                self._graphs.pop(name, None)
+        for step_graphs in dropped:
+            if step_graphs is not None:
+                step_graphs.release()
 
     def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None) -> dict:
         """Serve every layer of one step from the group; returns timings (seconds) and how it ended.
@@ -415,6 +428,9 @@ class ShardWorker:
             raise authority.refuse(f"shard {self.bundle_index}", "run_step", "a run's plans come from its coordinator")
         if group_name not in self._graphs:
             self._graphs[group_name] = self.runner.new_graphs()
+            if self._graphs[group_name] is not None and ShardStepGraphs.supported(plane, self.runner):
+                self._step_graphs[group_name] = ShardStepGraphs(plane, self.runner)
+        step_graphs = self._step_graphs.get(group_name)
         timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
         for index, step_plan in enumerate([plan, *later]):
             if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
@@ -425,7 +441,7 @@ class ShardWorker:
             try:
                 if index and not self._next_in_run(plane, index, step_plan):
                     return dict(timings, outcome="ended")
-                timings = self._serve_layers(plane, planned, timings)
+                timings = self._serve_layers(plane, planned, timings, step_graphs)
             except RuntimeError as exc:
                 # The group broke (a peer died or timed out): report it as data, the coordinator decides.
                 return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
@@ -446,7 +462,8 @@ class ShardWorker:
                               f" before step {plan.step_id} ({index} of its run, {plan.num_tokens} tokens)")
         return True
 
-    def _serve_layers_ahead(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
+    def _serve_layers_ahead(self, plane: DataPlane, planned: PlannedStep, timings: dict,
+                            step_graphs: ShardStepGraphs | None = None) -> dict:
         """NCCL: every layer of the step enqueued at once, in order 0..L-1, without waiting for its message.
 
         NCCL operations are stream-ordered, so the GPU waits for each layer's message and the host does not:
@@ -454,6 +471,7 @@ class ShardWorker:
         The client attends layers in order (Step enforces it on NCCL) and, when it stops early, sends every
         remaining message marked ABORT and drains their partials; the headers are read once, at the end.
         A coordinator restart's fence() waits until these launched writes have landed (cuda synchronize).
+        With ``step_graphs`` ready for this step, the whole step is one graph replay (cluster/shard_graphs.py).
         """
         plan = planned.plan
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
@@ -462,18 +480,24 @@ class ShardWorker:
         if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
             return self._refuse_fenced(plane, plan, timings)
         a0 = time.perf_counter()
+        graphed = step_graphs is not None and step_graphs.prepare(planned)
         headers = []
         try:
-            for layer in range(self.config.num_layers):
-                header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
-                headers.append(header)
-                out, lse = self.runner.run_layer(planned, layer, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:])
-                if plan.num_rows:
-                    plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
+            if graphed:
+                step_graphs.replay()
+            else:
+                for layer in range(self.config.num_layers):
+                    header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+                    headers.append(header)
+                    out, lse = self.runner.run_layer(planned, layer, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:])
+                    if plan.num_rows:
+                        plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
         finally:
             self._fence.leave()   # every write is launched; fence() waits for them on the device
         a1 = time.perf_counter()
-        got = torch.stack(headers).tolist()   # the one host wait of the step: until its last message
+        # The one host wait of the step: until its last message.
+        got = step_graphs.wait(self.config.collective_timeout_s) if graphed else torch.stack(headers).tolist()
+        timings["graphed_steps"] = timings.get("graphed_steps", 0) + int(graphed)
         timings["attention_s"] += a1 - a0
         timings["wire_s"] += time.perf_counter() - a1
         timings["layers"] += sum(1 for h in got if h[0] == CMD_ATTEND)
@@ -487,9 +511,10 @@ class ShardWorker:
         timings["outcome"] = "served"
         return timings
 
-    def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict) -> dict:
+    def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict,
+                      step_graphs: ShardStepGraphs | None = None) -> dict:
         if plane.backend == "nccl":
-            return self._serve_layers_ahead(plane, planned, timings)
+            return self._serve_layers_ahead(plane, planned, timings, step_graphs)
         plan = planned.plan
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         t = plan.num_tokens

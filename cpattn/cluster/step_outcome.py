@@ -12,9 +12,11 @@ COMMITTED_BEFORE_RESTART = {"shard_plan_s": 0.0, "attention_s": 0.0, "shard_wire
 
 
 def shard_timings(reports: list[dict]) -> dict[str, float]:
-    """The slowest shard's plan, attention and wire seconds (the step waited for it)."""
+    """The slowest shard's plan, attention and wire seconds (the step waited for it), and the most steps a
+    shard served as one graph replay (cluster/shard_graphs.py)."""
     return {key: max((r.get(field, 0.0) for r in reports), default=0.0)
-            for key, field in (("shard_plan_s", "plan_s"), ("attention_s", "attention_s"), ("shard_wire_s", "wire_s"))}
+            for key, field in (("shard_plan_s", "plan_s"), ("attention_s", "attention_s"), ("shard_wire_s", "wire_s"),
+                               ("shard_graphed_steps", "graphed_steps"))}
 
 
 def unknown_step_error(step_id, begun_before_restart: bool) -> InvalidRequestError | StepFencedError:

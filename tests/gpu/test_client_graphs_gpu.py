@@ -33,6 +33,8 @@ def test_graphed_client_layers_match_float64(ray_session):
         for _ in range(5):   # the first decode step of the bucket is eager; the next ones replay
             _checked_step(svc, cfg, oracle, {a: 1, b: 1})
         assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == 2, gw.client_graphs.key
+        svc.stats()   # ends the decode run: its shards report, among others how many steps were one graph replay
+        assert gw.last_step_timings.get("shard_graphed_steps", 0) >= 1, gw.last_step_timings
         for _ in range(4):   # another batch size: another bucket
             _checked_step(svc, cfg, oracle, {a: 1})
         assert gw.client_graphs.key[0] == 1
