@@ -14,8 +14,9 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 
 from __future__ import annotations
 
+from cpattn.cluster.decode_run_plans import plan_decode_run
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
-from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step
+from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step, table_gatherer
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, InvalidRequestError
 from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
@@ -64,6 +65,10 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
     copying it early is exact, and a step given back undoes its copy with its growth)."""
     tables: dict = {}
     first = Growth(copies=[c for g in growths for c in g.copies])
+    if all(t == 1 for t in new_tokens):   # decode-only: every step at once (decode_run_plans.py)
+        gather = table_gatherer(allocator, [s.rows for s in seqs], tables)
+        return plan_decode_run(allocator, [s.rows for s in seqs], lengths, step_ids, gather, incarnation, secret,
+                               cfg.row_window(), first, cfg.pcp_enabled, cfg.pcp_min_tokens)
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
                       step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret,
                       row_window=cfg.row_window(), growth=first if j == 0 else None, tables=tables)

@@ -250,7 +250,9 @@ class Gateway(RunControl):
     def claim(self, step) -> None:
         """One open step per client, atomically: a second thread or a nested step is rejected."""
         with self._guard:
-            self._reaped.wait_for(lambda: self.open_step is not _REAPING, self.config.rpc_timeout_s)
+            if not self._reaped.wait_for(lambda: self.open_step is not _REAPING, self.config.rpc_timeout_s):
+                raise ServiceError(f"this client's idle decode run did not finish ending within rpc_timeout_s="
+                                   f"{self.config.rpc_timeout_s:g}s (its shards are slow or gone): retry the step")
             self.check_no_open_step()
             self.open_step = step
 

@@ -49,6 +49,17 @@ class StepRequest:
     num_new: int
 
 
+def table_gatherer(allocator: ShardedKVAllocator, rows: list[SequenceRows], tables: dict):
+    """gather(rank, replica): the sequences' block table on ``rank`` (their replica rows with ``replica``),
+    gathered once into ``tables`` and reused by every plan that passes the same dict."""
+    def gather(rank: int, replica: bool) -> torch.Tensor:
+        if (rank, replica) not in tables:
+            tables[rank, replica] = allocator.tables[rank].gather([(r.replica if replica else r.primary)[rank]
+                                                                   for r in rows])
+        return tables[rank, replica]
+    return gather
+
+
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
               auth: str | None = None, *, row_window: int | None = None, growth: Growth | None = None,
@@ -59,14 +70,7 @@ def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_i
     within it. ``growth``: the step's allocation, whose copy-on-write pages each shard copies. ``tables``: block
     tables gathered by an earlier plan of the same sequences and pages (a decode run's steps), reused instead
     of gathered again."""
-    tables = {} if tables is None else tables
-
-    def gather(rank: int, replica: bool) -> torch.Tensor:
-        if (rank, replica) not in tables:
-            tables[rank, replica] = allocator.tables[rank].gather(
-                [(r.rows.replica if replica else r.rows.primary)[rank] for r in requests])
-        return tables[rank, replica]
-
+    gather = table_gatherer(allocator, [r.rows for r in requests], {} if tables is None else tables)
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]

@@ -57,6 +57,10 @@ class TritonAttentionMetadata:
     decodes under that window): first visible local key per query (CommonAttentionMetadata.window_key_start)."""
 
 
+CONTEXT_DECODE_MAX_QUERIES = 16
+"""A context pass's requests with at most this many queries use the decode kernel (TritonMetadataBuilder.build)."""
+
+
 class TritonMetadataBuilder(AttentionMetadataBuilder):
     """Plans once per step: decode token lists and split count, prefill tiles."""
 
@@ -67,20 +71,27 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         qsl = common.query_start_loc_cpu.tolist()
         seq = common.seq_lens_cpu.tolist()
         q_lens = [qsl[r + 1] - qsl[r] for r in range(common.num_reqs)]
-        dec = [r for r in range(common.num_reqs) if q_lens[r] == 1]
-        pre = [r for r in range(common.num_reqs) if q_lens[r] > 1]
+        # Every query of a context pass (causal=False) sees the same keys, so a request with a few queries goes
+        # through the split-KV decode kernel one program per query (they read the same tiles together, from L2):
+        # a shared prefix's pass of N forks' queries over a long prefix (cascade_plan.py); the prefill kernel
+        # would run one unsplit program per head over all of it.
+        few = CONTEXT_DECODE_MAX_QUERIES if not common.causal else 1
+        dec = [r for r in range(common.num_reqs) if 1 <= q_lens[r] <= few]
+        pre = [r for r in range(common.num_reqs) if q_lens[r] > few]
+        dec_toks = [t for r in dec for t in range(qsl[r], qsl[r + 1])]
+        dec_reqs = [r for r in dec for _ in range(q_lens[r])]
         i32 = dict(dtype=torch.int32)
-        dec_kv = [seq[r] for r in dec]
-        splits = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(dec_kv), dev)
+        dec_kv = [seq[r] for r in dec_reqs]
+        splits = (tk.decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(dec_kv), dev)
                   if dec and max(dec_kv) > 0 else 1)
         block_m = tk.prefill_block_sizes(self.spec.head_size)[0]
         tiles = tk.make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
         window_starts = {}
         for w in sorted({w for w in self.spec.sliding_windows if w is not None}):
             starts = common.window_key_start(w)
-            dec_starts = starts[[qsl[r] for r in dec]]
+            dec_starts = starts[dec_toks]
             in_window = [max(0, kv - int(st)) for kv, st in zip(dec_kv, dec_starts.tolist())]
-            w_splits = (tk.decode_num_splits(len(dec), self.spec.num_kv_heads, max(in_window), dev)
+            w_splits = (tk.decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(in_window), dev)
                         if dec and max(in_window) > 0 else 1)
             window_starts[w] = (starts.to(torch.int32).to(dev, non_blocking=True),
                                 dec_starts.to(torch.int32).to(dev, non_blocking=True), w_splits)
@@ -88,10 +99,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             num_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             has_writes=bool((common.slot_mapping >= 0).any()),     # one check per step, not per layer
-            decode_only=len(dec) == common.num_reqs,
+            decode_only=all(n == 1 for n in q_lens),   # tokens 0..T-1 in order, one per request (graphs rely on it)
             block_table=common.block_table_tensor.to(dev, non_blocking=True),
-            dec_tok=torch.tensor([qsl[r] for r in dec], **i32).to(dev, non_blocking=True),
-            dec_req=torch.tensor(dec, **i32).to(dev, non_blocking=True),
+            dec_tok=torch.tensor(dec_toks, **i32).to(dev, non_blocking=True),
+            dec_req=torch.tensor(dec_reqs, **i32).to(dev, non_blocking=True),
             dec_kv_len=torch.tensor(dec_kv, **i32).to(dev, non_blocking=True),
             num_splits=splits, tiles=tiles,
             req_seq=torch.tensor(seq, **i32).to(dev, non_blocking=True),

@@ -1,0 +1,73 @@
+"""A decode run planned all at once (cluster/decode_run_plans.py) equals its steps planned one by one
+(step_planner.plan_step), field for field: random shard counts, interleaves, replicas, windows, batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from cpattn.cluster.decode_run_plans import plan_decode_run
+from cpattn.cluster.step_planner import StepRequest, plan_step, table_gatherer
+from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (where, a, b)
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            _same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_run_plans_equal_step_by_step_plans(seed):
+    rng = random.Random(seed)
+    n = rng.choice([1, 2, 3, 5])
+    block_size = rng.choice([4, 16])
+    _check_run(n, block_size, rng.choice([1, 3, block_size]), 2 if n >= 2 and rng.random() < 0.5 else 1,
+               [rng.choice([0, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 4))], rng.randint(1, 9),
+               rng.choice([None, 5, 64]))
+
+
+def test_run_plans_with_rows_left_out_and_replicas():
+    """A sequence starting empty and a short window: ranks without keys for a row leave it out (rows), and
+    every rank keeps a replica's slots."""
+    got = _check_run(3, 4, 1, 2, [0, 100, 7], 6, 5)
+    assert any(p.rows is not None for s in got for p in s)
+    assert all(p.replica_slot_mapping is not None for s in got for p in s)
+
+
+def _check_run(n, block_size, interleave, replicas, lengths, num_steps, window):
+    alloc = ShardedKVAllocator(n, 400, block_size, interleave, 8, replicas=replicas)
+    num_seqs = len(lengths)
+    rows = [alloc.add_rows() for _ in range(num_seqs)]
+    alloc.grow([(r, n_ + num_steps) for r, n_ in zip(rows, lengths)], [0] * num_seqs)
+    step_ids = list(range(40, 40 + num_steps))
+
+    one_by_one_tables: dict = {}
+    expected = [plan_step(alloc, [StepRequest(r, n_ + j, 1) for r, n_ in zip(rows, lengths)], sid, True, 8, 3, "s",
+                          row_window=window, tables=one_by_one_tables)
+                for j, sid in enumerate(step_ids)]
+    got = plan_decode_run(alloc, rows, lengths, step_ids, table_gatherer(alloc, rows, {}), 3, "s", window, None,
+                          True, 8)
+    assert len(got) == num_steps and all(len(p) == n for p in got)
+    for j in range(num_steps):
+        for rank in range(n):
+            _same(got[j][rank], expected[j][rank], f"step {j} rank {rank}")
+    return got
+
+
+def test_run_plans_refuse_a_token_without_its_page():
+    """The run's pages must all be allocated: a missing one fails as a step's would, naming the token."""
+    alloc = ShardedKVAllocator(2, 50, 4, 1, 4)
+    rows = [alloc.add_rows()]
+    alloc.grow([(rows[0], 8)], [0])
+    with pytest.raises(Exception, match="allocate its pages first|has no block"):
+        plan_decode_run(alloc, rows, [8], [1, 2], table_gatherer(alloc, rows, {}), 0, None, None, None, True, 8)
