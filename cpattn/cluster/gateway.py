@@ -257,7 +257,8 @@ class Gateway(RunControl):
             self.open_step = step
 
     def check_no_open_step(self) -> None:
-        if self.open_step is not None:
+        # The RunReaper ending an idle run is not a step: claim() waits for it.
+        if self.open_step is not None and self.open_step is not _REAPING:
             raise InvalidRequestError("a step is already open on this client: finish it first; a client serves one "
                                       "thread and one step at a time (use a second client for concurrent steps)")
 
