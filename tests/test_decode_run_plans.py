@@ -4,18 +4,28 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import random
 
 import pytest
 import torch
 
+from cpattn.cluster.decode_run import client_steps, later_plans
 from cpattn.cluster.decode_run_plans import plan_decode_run
-from cpattn.cluster.step_planner import StepRequest, plan_step, table_gatherer
+from cpattn.cluster.step_planner import StepRequest, for_client, plan_step, table_gatherer
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 
 
 def _same(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict) or isinstance(b, dict):
+        assert isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b), (where, a, b)
+        for key in a:
+            _same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (where, a, b)
     elif dataclasses.is_dataclass(a):
@@ -61,6 +71,18 @@ def _check_run(n, block_size, interleave, replicas, lengths, num_steps, window):
     for j in range(num_steps):
         for rank in range(n):
             _same(got[j][rank], expected[j][rank], f"step {j} rank {rank}")
+    # What travels (Ray pickles it): a remote shard's later steps and the client's, compact, equal once unpickled.
+    local = [r for r in range(n) if r % 2 == 0]
+    for rank in range(n):
+        sent = later_plans(got, rank)
+        _same(pickle.loads(pickle.dumps(sent)), [expected[j][rank] for j in range(1, num_steps)], f"later {rank}")
+    first, later = client_steps(got, step_ids, local)
+    assert first["local_plans"].keys() == set(local)
+    want = [{"step_id": sid, "local_plans": {r: for_client(expected[j][r]) for r in local},
+             "remote_rows": {r: p.rows for r, p in enumerate(expected[j]) if r not in local and p.num_rows}}
+            for j, sid in enumerate(step_ids)]
+    _same([first, *pickle.loads(pickle.dumps(later))], want, "client steps")
+    assert len(pickle.dumps(later_plans(got, 0))) < 4096 + 200 * num_steps * len(lengths) + 8 * got[0][0].metadata.block_table_tensor.numel()
     return got
 
 

@@ -27,7 +27,7 @@ from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.cluster.shard_recovery import ShardRecovery
 from cpattn.cluster.shard_set import ShardSet
 from cpattn.cluster.usage import usage_report
-from cpattn.cluster.step_planner import StepRequest, for_client, plan_step
+from cpattn.cluster.step_planner import StepRequest, plan_step
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError, InvalidRequestError, ShardLostError
 
@@ -322,18 +322,16 @@ class Coordinator:
                             runs[0][0].num_tokens, self.epoch, local, later_growths=later_growths)
             self.steps.open(step)
             shards = list(self.shard_set.handles)
-        step.refs = [h.run_step.remote(group_name, runs[0][rank], [plans[rank] for plans in runs[1:]])
+        step.refs = [h.run_step.remote(group_name, runs[0][rank], decode_run.later_plans(runs, rank))
                      for rank, h in enumerate(shards) if rank not in local]
         step.plan_s = time.perf_counter() - t0
         # The client's in-process shards: one block table for the whole run (its last step's pages).
         local_pages = {r: self.table.page_deltas(r, seqs, runs[-1][r].metadata.block_table_tensor, held)
                        for r in local}
-        planned = [{"step_id": step_id, "local_plans": {r: for_client(plans[r]) for r in local},
-                    "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
-                   for step_id, plans in zip(step_ids, runs)]
-        return {**planned[0], "num_tokens": runs[0][0].num_tokens, "seq_ids": step.seq_ids,
+        first, later = decode_run.client_steps(runs, step_ids, sorted(local))
+        return {**first, "num_tokens": runs[0][0].num_tokens, "seq_ids": step.seq_ids,
                 "query_lens": list(request.values()), "plan_s": step.plan_s, "epoch": self.epoch,
-                "local_pages": local_pages, "later": planned[1:]}
+                "local_pages": local_pages, "later": later}
 
     def _new_step_id(self) -> int:
         step_id, reserve = self.steps.new_id()

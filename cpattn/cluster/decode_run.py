@@ -14,9 +14,9 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 
 from __future__ import annotations
 
-from cpattn.cluster.decode_run_plans import plan_decode_run
+from cpattn.cluster.decode_run_plans import CompactList, RunPlans, client_steps_of, plan_decode_run, plans_of
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
-from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step, table_gatherer
+from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, for_client, plan_step, table_gatherer
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, InvalidRequestError
 from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
@@ -73,6 +73,23 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
                       step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret,
                       row_window=cfg.row_window(), growth=first if j == 0 else None, tables=tables)
             for j, step_id in enumerate(step_ids)]
+
+
+def later_plans(runs: list[list[ShardStepPlan]], rank: int) -> list[ShardStepPlan]:
+    """What a remote shard gets of a run's steps after the first (compact when the run was planned at once)."""
+    later = [plans[rank] for plans in runs[1:]]
+    return CompactList(later, plans_of, (runs.ranks[rank], 1)) if isinstance(runs, RunPlans) else later
+
+
+def client_steps(runs: list[list[ShardStepPlan]], step_ids: list[int], local: list[int]) -> tuple[dict, list[dict]]:
+    """What begin_step tells the client of each step, (the first, the later ones): its in-process shards' plans
+    (without secret or block table) and the rows each remote shard sends back."""
+    steps = [{"step_id": step_id, "local_plans": {r: for_client(plans[r]) for r in local},
+              "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+             for step_id, plans in zip(step_ids, runs)]
+    if isinstance(runs, RunPlans):
+        return steps[0], CompactList(steps[1:], client_steps_of, ([r.for_client() for r in runs.ranks], local, 1))
+    return steps[0], steps[1:]
 
 
 def check_done(done, num_substeps: int) -> int:
