@@ -10,8 +10,9 @@ with q/k/v on the client's device, wall time of whole decode steps of ``--layers
 Reported per way: KV blocks used over all shards (stats, shared pages counted once), KV GiB, ms per step,
 and the ratios to ``one``. Goal (issue 24): shared <= 1.1x the KV and <= 1.2x the step time of one
 question, where separate costs about Nx both. The KV goal holds for every backend; the time goal needs the
-prefix read once per step (cascade attention): the TORCH backend does that (attention/cascade.py), the
-GPU kernels (TRITON, FLASHINFER, FLASH_ATTN) still read it once per question (see the issue-24 report).
+prefix read once per step (cascade attention): TORCH reads it once inside its loop (attention/cascade.py), the
+GPU kernels get a prefix pass per group of forks (attention/cascade_plan.py); measured on 2 H200s (TRITON) that
+pass is still far from one decode's cost (benchmarks/RESULTS.md).
 
     python benchmarks/shared_prefix.py                        # 16 questions, 512K-token document, 2 GPUs
     python benchmarks/shared_prefix.py --backend TORCH        # the same with the cascade (TORCH on the GPU)

@@ -2,7 +2,7 @@
 # The GPU tests in parts that each finish within one device `run` (under 8 minutes on nvidia-h200-x2,
 # measured 2026-11-30: all four files but FlashInfer's cases took 5:16 together; FlashInfer JIT-compiles
 # for ~100 s on first use, so its cases are a part of their own).
-#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP on one GPU
+#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP, cascade splits
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
@@ -15,7 +15,8 @@ part=${1:-}
 shift || true
 py=${PYTHON:-python3}
 case "$part" in
-  kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py -k "not FLASHINFER" "$@" ;;
+  kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py \
+             tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
              tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;
   dataplane) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_data_plane_gpu.py \
