@@ -23,7 +23,6 @@ PENDING = {
     ("class", "cpattn/cluster/gateway.py:Gateway"): 347,
     ("class", "cpattn/step.py:Step"): 279,
     ("file", "cpattn/attention/backends/triton_kernels.py"): 478,
-    ("class", "cpattn/config.py:ServiceConfig"): 303,
 }
 
 
