@@ -11,6 +11,7 @@ from cpattn.cluster import decode_run, generations, step_outcome
 from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.journal import CoordinatorJournal, SequenceRecord
+from cpattn.cluster.messages import BeginStepReply
 from cpattn.cluster.open_steps import STEP_ID_RESERVE, OpenSteps
 from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.cluster.step_ledger import StepLedger
@@ -72,8 +73,10 @@ def test_a_step_is_admitted_opened_and_committed():
     step, runs = ledger.open(admitted, (0,), gen)
     assert ledger.steps.of(step.step_id, "c-1") is step and ledger.table.get("a").in_step == step.step_id
     reply = ledger.reply(step, admitted.seqs, admitted.request, runs, None, gen.epoch)
-    assert reply["step_id"] == step.step_id and reply["num_tokens"] == 6 and reply["later"] == []
-    assert set(reply["local_plans"]) == {0} and set(reply["remote_rows"]) == {1} and set(reply["local_pages"]) == {0}
+    assert isinstance(reply, BeginStepReply) and reply.later == [] and reply.seq_ids == ["a"]
+    assert (reply.step_id, reply.num_tokens, reply.query_lens, reply.epoch) == (step.step_id, 6, [6], 0)
+    assert set(reply.local_plans) == {0} and set(reply.remote_rows) == {1} and set(reply.local_pages) == {0}
+    assert reply.local_plans[0].auth is None                      # the client never calls that shard
     step.done = ledger.num_kept(step, True, None)
     ledger.close(step, committed=True)
     assert ledger.table.get("a").length == 6 and ledger.table.get("a").in_step is None and len(ledger.steps) == 0
@@ -109,6 +112,8 @@ def test_a_decode_run_advances_then_gives_back_the_steps_not_run():
     admitted = ledger.admit("c-1", {"a": 1}, 4, 1)
     assert admitted.num_steps == 4
     step, runs = ledger.open(admitted, (), gen)
+    reply = ledger.reply(step, admitted.seqs, admitted.request, runs, None, gen.epoch)
+    assert [p.step_id for p in reply.later] == [step.step_id + 1, step.step_id + 2, step.step_id + 3]
     assert step.num_substeps == 4 and len(runs) == 4 and ledger.table.blocks_used() == [1, 1]   # interleave 1
     ledger.advance(step, ledger.num_kept(step, True, 2))
     assert seq.length == 2 and seq.in_step == step.step_id and seq.last_step == step.step_id + 1

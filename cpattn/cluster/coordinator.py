@@ -4,8 +4,9 @@ A plain class; ``ray.remote`` is applied in ``cluster.service`` (to ``RemoteCoor
 every caller first). It orchestrates state owners, each tested alone: ClientRegistry (credentials,
 leases), SequenceTable (sequences, pages, growth), OpenSteps (steps, shard threads), StepLedger (a step's
 life on those, and end_step's answers), Generations (epoch, incarnation, the shard secret; the journal's
-meta record), ShardSet (the shard actors) and ShardRecovery (replacing lost shards; each bumps the epoch). It plans each step
-once and hands each shard its plan in a single Ray call; per-layer tensors never pass through here.
+meta record), ShardSet (the shard actors) and ShardRecovery (replacing lost shards; each bumps the epoch).
+Its sequence methods are in coordinator_sequences.py. It plans each step once and hands each shard its plan
+in a single Ray call; per-layer tensors never pass through here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.coordinator_sequences import SequenceMethods
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.journal import CoordinatorJournal
+from cpattn.cluster.messages import BeginStepReply, EndStepReply, Rejoin
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.open_steps import OpenSteps, check_local_ranks
 from cpattn.cluster.prefix_sharing import PrefixSharing
@@ -196,7 +198,8 @@ class Coordinator(SequenceMethods):
 
     # Steps ----------------------------------------------------------------------------------------
     def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None,
-                   local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None, ahead: int = 1) -> dict:
+                   local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None,
+                   ahead: int = 1) -> BeginStepReply | Rejoin:
         """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
         ``local_ranks``: shards on the client's GPU, whose share the client computes itself on their
@@ -204,7 +207,7 @@ class Coordinator(SequenceMethods):
         block tables as deltas against ``held`` ({seq_id: {rank: (version, pages)}}, cluster/page_delta.py).
         ``ahead`` > 1 on a decode-only request plans a decode run of up to that many steps (cluster/decode_run.py):
         the reply's ``later`` holds the plans of its steps after the first.
-        A client whose data-plane group predates a shard replacement gets ``{"rejoin": epoch}`` back
+        A client whose data-plane group predates a shard replacement gets ``Rejoin(epoch)`` back
         (nothing planned) and rebuilds its group first.
         """
         t0 = time.perf_counter()
@@ -216,7 +219,7 @@ class Coordinator(SequenceMethods):
                 if not isinstance(group_name, str) or not group_name.startswith(f"{client_id}-"):
                     raise InvalidRequestError(f"data-plane group {group_name!r} is not this client's")
                 if epoch is not None and epoch != self.gen.epoch:
-                    return {"rejoin": self.gen.epoch}
+                    return Rejoin(self.gen.epoch)
                 local = check_local_ranks(local_ranks, self.config.num_shards)
                 admitted = self.ledger.admit(client_id, request, ahead, len(self.clients))
             except CpattnError as exc:
@@ -236,10 +239,10 @@ class Coordinator(SequenceMethods):
         return step_id
 
     def end_step(self, step_id: int, commit: bool, data_plane_error: str | None = None,
-                 credential: str | None = None, done: int | None = None, ends_run: bool = False) -> dict:
+                 credential: str | None = None, done: int | None = None, ends_run: bool = False) -> EndStepReply:
         """Commit (lengths advance) or roll back (pages return).
 
-        A failed step is rolled back; lost shards are replaced. Returns ``recovered: True`` when
+        A failed step is rolled back; lost shards are replaced. Returns ``recovered=True`` when
         every sequence of the step survived (the client may replay it); raises ShardLostError
         naming the sequences whose KV was lost otherwise. A decode run (``step_id`` its first step) says
         in ``done`` how many of its steps completed: a commit before its last one advances the lengths and
@@ -253,7 +256,7 @@ class Coordinator(SequenceMethods):
             kept = self.ledger.num_kept(step, commit, done)
             if commit and kept < step.num_substeps and not ends_run:   # a run goes on: nothing to wait for
                 self.ledger.advance(step, kept)
-                return {"advanced": kept}
+                return EndStepReply(advanced=kept)
         reports, failure = self.recovery.step_failure(step, data_plane_error, lambda: self.gen.epoch)
         if failure is not None:
             kept = min(kept, step.num_substeps - 1)   # the step in flight (a plain step: the step) failed
@@ -273,7 +276,7 @@ class Coordinator(SequenceMethods):
         self.recovery.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
         with self._lock:
             self.ledger.check_survived(step)
-        return {"recovered": True, "epoch": self.gen.epoch, "failure": failure}
+        return EndStepReply(recovered=True, epoch=self.gen.epoch, failure=failure)
 
     # Stats ----------------------------------------------------------------------------------------
     def stats(self, credential: str | None = None, admin: bool = False) -> dict:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cpattn.cluster import decode_run, step_outcome
 from cpattn.cluster.generations import Generations
+from cpattn.cluster.messages import BeginStepReply, EndStepReply, StepPlans
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.open_steps import OpenStep, OpenSteps, check_step_size
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
@@ -78,18 +79,18 @@ class StepLedger:
         return opened, runs
 
     def reply(self, step: OpenStep, seqs: list[Sequence], request: dict[str, int], runs: list[list[ShardStepPlan]],
-              held, epoch: int) -> dict:
+              held, epoch: int) -> BeginStepReply:
         """begin_step's answer: each step's plans for the client's in-process shards and the rows the others
         attend; those shards get one block table for the whole run (its last step's pages), as deltas."""
         local = step.local_ranks
         local_pages = {r: self.table.page_deltas(r, seqs, runs[-1][r].metadata.block_table_tensor, held)
                        for r in local}
-        planned = [{"step_id": step.step_id + j, "local_plans": {r: for_client(plans[r]) for r in local},
-                    "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+        planned = [StepPlans(step.step_id + j, {r: for_client(plans[r]) for r in local},
+                             {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows})
                    for j, plans in enumerate(runs)]
-        return {**planned[0], "num_tokens": runs[0][0].num_tokens, "seq_ids": step.seq_ids,
-                "query_lens": list(request.values()), "plan_s": step.plan_s, "epoch": epoch,
-                "local_pages": local_pages, "later": planned[1:]}
+        return BeginStepReply(**vars(planned[0]), num_tokens=runs[0][0].num_tokens, seq_ids=step.seq_ids,
+                              query_lens=list(request.values()), plan_s=step.plan_s, epoch=epoch,
+                              local_pages=local_pages, later=planned[1:])
 
     # A decode run goes on, a step closes ---------------------------------------------------------------------
     @staticmethod
@@ -131,11 +132,11 @@ class StepLedger:
         return rolled_back
 
     # end_step's answers about steps that did not simply commit -----------------------------------------------
-    def unknown(self, step_id) -> dict:
+    def unknown(self, step_id) -> EndStepReply:
         """A step this coordinator does not hold open: committed before a restart (its timings), else raises."""
         before = self.steps.before_restart(step_id)
         if before and any(s.last_step == step_id for s in self.table.sequences.values()):
-            return dict(step_outcome.COMMITTED_BEFORE_RESTART)   # journalled, then the old incarnation died
+            return step_outcome.COMMITTED_BEFORE_RESTART   # journalled, then the old incarnation died
         if before:
             self.metrics.record_error("StepFencedError")
         raise step_outcome.unknown_step_error(step_id, before)
