@@ -10,7 +10,6 @@ imported only when a plan is built or availability is checked, so CPU installs i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.ops.lse import LseBase
+from cpattn.attention.ops.partials import unattended_rows
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -197,7 +197,7 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     positions, so a sliding window is relative: query i sees keys i - window < j <= i."""
     from cpattn.attention.backends.triton_prefill import make_prefill_tiles, prefill, prefill_block_sizes
 
-    t, hq, d = q_TQD.shape
+    t, hq = q_TQD.shape[:2]
     if _each_token_alone(pieces_P3, t):
         # A decode-only step: each token sees only itself, softmax over one key.
         g = hq // k_TKD.shape[1]
@@ -206,9 +206,7 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
         if soft_cap is not None:
             lse = soft_cap * torch.tanh(lse / soft_cap)
         return v_TKD.repeat_interleave(g, dim=1).to(q_TQD.dtype), lse
-    out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
-    lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
-    pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
+    out, lse, pieces = unattended_rows(q_TQD, pieces_P3)
     if not pieces:
         return out, lse
     dev = q_TQD.device
