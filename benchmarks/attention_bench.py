@@ -215,7 +215,7 @@ TUNE_CONFIGS = [dict(waves=w, block_n=64, num_warps=4, num_stages=3) for w in (2
 
 def tune_triton_decode(results: dict) -> None:
     """Time the TRITON decode under each launch config; keep the best for B=1 L=1M (ties: B=64)."""
-    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.attention.backends import triton_decode as tk
 
     rows = []
     for cfg in TUNE_CONFIGS:

@@ -1,6 +1,6 @@
 """Launch configurations of the TRITON paged split-KV decode kernel on this GPU (waves of programs per SM,
 tile length, warps, pipeline stages), timed over decode shapes; prints a table and writes JSON. The best
-configuration goes into triton_kernels.DECODE_CONFIG.
+configuration goes into triton_decode.DECODE_CONFIG.
 
     python benchmarks/decode_sweep.py [--json PATH]
 """
@@ -46,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="decode_sweep.json")
     args = ap.parse_args()
-    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.attention.backends import triton_decode as tk
 
     base = dict(tk.DECODE_CONFIG)
     rows = []

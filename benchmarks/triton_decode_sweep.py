@@ -1,7 +1,7 @@
 """Launch configurations of the TRITON paged decode kernel, swept on one GPU: bf16 and fp8 caches.
 
 Times one decode (B=1, Hq 32, Hk 8, D 128, page 16: cp_scaling's geometry) over ``--contexts`` keys for
-each (tile length, warps, stages, splits per SM, fp8 tiling) and checks each result against the default
+each (tile length, warps, stages, splits per SM) and checks each result against the default
 configuration's output (a fast wrong tiling is not a candidate). Kernels are replayed from a CUDA graph
 (10 calls per replay), so the times are the kernels', not Python's.
 
@@ -64,10 +64,10 @@ def main() -> int:
     parser.add_argument("--contexts", default="131072,1048576")
     parser.add_argument("--json", default="benchmarks/results/triton_decode_sweep.json")
     args = parser.parse_args()
-    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.attention.backends import triton_decode as tk
 
     dev = torch.device("cuda")
-    base_cfg, base_fp8 = dict(tk.DECODE_CONFIG), dict(tk.DECODE_CONFIG_FP8)
+    base_cfg = dict(tk.DECODE_CONFIG)
     rows = []
     contexts = [int(c) for c in args.contexts.split(",")]
     for n in contexts:
@@ -76,21 +76,15 @@ def main() -> int:
             out = torch.empty(1, HQ, D, dtype=torch.bfloat16, device=dev)
             lse = torch.empty(1, HQ, dtype=torch.float32, device=dev)
             tk.DECODE_CONFIG.update(base_cfg)
-            tk.DECODE_CONFIG_FP8.clear()
-            tk.DECODE_CONFIG_FP8.update(base_fp8)
             splits0 = tk.decode_num_splits(1, HK, n, dev)
             _run(tk, q, cache, table, scales, n, splits0, out, lse)
             ref = out.float().clone()
-            grid = itertools.product((64, 128, 256), (4, 8), (3, 4), (2, 4), (False, True) if fp8 else (False,))
-            for block_n, warps, stages, waves, keys_a in grid:
+            grid = itertools.product((64, 128, 256), (4, 8), (3, 4), (2, 4))
+            for block_n, warps, stages, waves in grid:
                 cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
-                if fp8:
-                    tk.DECODE_CONFIG_FP8.update(cfg, keys_a=keys_a)
-                    tk.DECODE_CONFIG.update(waves=waves)
-                else:
-                    tk.DECODE_CONFIG.update(cfg)
+                tk.DECODE_CONFIG.update(cfg)
                 splits = tk.decode_num_splits(1, HK, n, dev, block_n=block_n)
-                row = dict(context=n, kv="fp8_e4m3" if fp8 else "bf16", splits=splits, keys_a=keys_a, **cfg)
+                row = dict(context=n, kv="fp8_e4m3" if fp8 else "bf16", splits=splits, **cfg)
                 try:
                     ms = _time(lambda: _run(tk, q, cache, table, scales, n, splits, out, lse))
                     err = float((out.float() - ref).norm() / ref.norm())
@@ -99,14 +93,12 @@ def main() -> int:
                     row.update(error=f"{type(exc).__name__}: {str(exc)[:120]}")
                 rows.append(row)
             tk.DECODE_CONFIG.update(base_cfg)
-            tk.DECODE_CONFIG_FP8.clear()
-            tk.DECODE_CONFIG_FP8.update(base_fp8)
             ok = sorted((r for r in rows if r["context"] == n and r["kv"] == ("fp8_e4m3" if fp8 else "bf16")
                          and "ms" in r and r["rel_vs_default"] < 2e-2), key=lambda r: r["ms"])
             default = next(r for r in ok if r["waves"] == base_cfg["waves"]) if ok else None
             print(f"context {n} {'fp8_e4m3' if fp8 else 'bf16'}: {len(ok)} valid tilings; best 5:")
             for r in ok[:5]:
-                print("   ", {k: r[k] for k in ("ms", "block_n", "num_warps", "num_stages", "waves", "splits", "keys_a")})
+                print("   ", {k: r[k] for k in ("ms", "block_n", "num_warps", "num_stages", "waves", "splits")})
             if default:
                 print("    (first at default waves)", {k: default[k] for k in ("ms", "block_n", "num_warps", "num_stages")})
     with open(args.json, "w") as f:

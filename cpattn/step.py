@@ -20,7 +20,9 @@ from cpattn.cluster.rpc import call as _call
 from cpattn.errors import CpattnError, IncompleteStepError, InvalidRequestError, ServiceError
 
 if TYPE_CHECKING:
+    from cpattn.cluster.client_run import BegunStep
     from cpattn.cluster.gateway import Gateway, PendingCommit, StepWire
+    from cpattn.cluster.messages import EndStepReply
 
 logger = logging.getLogger("cpattn")
 
@@ -39,7 +41,7 @@ class Step:
         self._gw = gateway
         self._claimed = claimed   # a replay run inside another step's claim (finish_deferred_commit)
         self._request = request
-        self._info: dict | None = None
+        self._info: BegunStep | None = None
         self._wire: StepWire | None = None
         self._attended: set[int] = set()
         self._state = "new"   # new -> open -> committed | rolled_back
@@ -56,11 +58,11 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
-        return self._info["num_tokens"] if self._info else sum(self._request.values())
+        return self._info.num_tokens if self._info else sum(self._request.values())
 
     @property
     def seq_ids(self) -> list[str]:
-        return list(self._info["seq_ids"]) if self._info else list(self._request)
+        return list(self._info.seq_ids) if self._info else list(self._request)
 
     def __enter__(self) -> "Step":
         if self._state != "new":
@@ -82,8 +84,8 @@ class Step:
         for _ in range(MAX_RECOVERIES + 1):
             info = self._gw.begin(self._request)
             if info is not None:
-                self._info, self._wire = info, info["wire"]
-                self.timings["plan_s"] += info["plan_s"]
+                self._info, self._wire = info, info.wire
+                self.timings["plan_s"] += info.plan_s
                 return
             self._gw.rejoin()
         raise ServiceError("the service kept replacing shards while this step began; check `cpattn status`")
@@ -148,13 +150,13 @@ class Step:
         if self._replay is None:
             self._close("rolled_back")
             gw.rejoin()
-            raise ServiceError(f"step {self._info['step_id']} was rolled back: {why}; the lost shard was replaced "
+            raise ServiceError(f"step {self._info.step_id} was rolled back: {why}; the lost shard was replaced "
                                "and no sequence of this step lost KV: run the step again "
                                "(kv_replicas=2 replays it automatically)")
         self.recoveries += 1
         if self.recoveries > MAX_RECOVERIES:
             self._fail_closed(f"step gave up after {MAX_RECOVERIES} shard recoveries ({why})")
-        logger.warning("step %s: %s; shard replaced, replaying %d layers", self._info["step_id"], why,
+        logger.warning("step %s: %s; shard replaced, replaying %d layers", self._info.step_id, why,
                        len(self._replay))
         gw.rejoin()
         self._begin()
@@ -166,8 +168,8 @@ class Step:
                 self._recover(str(exc))   # bounded by MAX_RECOVERIES through self.recoveries
                 return
 
-    def _end(self, commit: bool, why: str | None) -> dict:
-        return self._gw.end_step_of(self._info["step_id"], commit, why,
+    def _end(self, commit: bool, why: str | None) -> EndStepReply:
+        return self._gw.end_step_of(self._info.step_id, commit, why,
                                     shards_waiting=len(self._attended) == self._gw.config.num_layers)
 
     def _fail_closed(self, why: str) -> None:
@@ -246,7 +248,7 @@ class Step:
             missing = sorted(set(range(cfg.num_layers)) - self._attended)
             self._abort(raise_errors=True)
             raise IncompleteStepError(
-                f"step {self._info['step_id']} ended with layers {missing} never attended ({len(self._attended)} of "
+                f"step {self._info.step_id} ended with layers {missing} never attended ({len(self._attended)} of "
                 f"{cfg.num_layers}): it was rolled back and none of its tokens were committed; call step.attend() for "
                 "every layer inside the `with` block, then run the step again", missing)
         try:
@@ -258,7 +260,7 @@ class Step:
             raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
                                       "reach the KV cache (set nan_policy='allow' to accept them)")
         if not self._sync_commit:
-            self._gw.commit_async(self._info["step_id"], self._request, self._replay, self.timings)
+            self._gw.commit_async(self._info.step_id, self._request, self._replay, self.timings)
             self._close("committed")
             return
         while True:
@@ -268,10 +270,10 @@ class Step:
             except BaseException:
                 self._close("rolled_back")
                 raise
-            if not report.get("recovered"):
+            if not report.recovered:
                 break
             # A shard died after the last layer: the coordinator rolled the step back; do it again.
-            self._restart(report["failure"])
+            self._restart(report.failure)
         self._close("committed")
         self._gw.committed(self.timings, report)
 
@@ -283,8 +285,8 @@ class Step:
             report = self._end(False, why)
         finally:
             self._gw.rejoin()
-        refilled = " and refilled from replicas" if report.get("recovered") else ""
-        raise ServiceError(f"step {self._info['step_id']}: {why}; its outputs are not valid and nothing was "
+        refilled = " and refilled from replicas" if report.recovered else ""
+        raise ServiceError(f"step {self._info.step_id}: {why}; its outputs are not valid and nothing was "
                            f"committed (the lost shard was replaced{refilled}): run the step again")
 
     def _abort(self, raise_errors: bool) -> None:
@@ -301,7 +303,7 @@ class Step:
         self._close("rolled_back")
         try:
             report = self._end(False, why)
-            if report.get("recovered") or why is not None:
+            if report.recovered or why is not None:
                 gw.rejoin()
         except CpattnError:
             if raise_errors:
@@ -318,15 +320,15 @@ def finish_deferred_commit(gw: Gateway, pending: PendingCommit) -> None:
         if not (cfg.detached and isinstance(exc.__cause__, ray.exceptions.RayActorError)):
             raise
         report = gw.end_step(pending.step_id, True, None)   # the coordinator restarted: ask the new one
-    if not report.get("recovered"):
+    if not report.recovered:
         gw.committed(pending.timings, report, pending.earlier)
         return
     gw.rejoin()
     if pending.replay is None:
-        raise ServiceError(f"step {pending.step_id} was rolled back after its last layer: {report['failure']}; the "
+        raise ServiceError(f"step {pending.step_id} was rolled back after its last layer: {report.failure}; the "
                            "lost shard was replaced and no sequence lost KV, but that step's tokens were not added: "
                            "run it again (kv_replicas=2 replays it automatically)")
-    logger.warning("step %s: %s; shard replaced, replaying its %d layers", pending.step_id, report["failure"],
+    logger.warning("step %s: %s; shard replaced, replaying its %d layers", pending.step_id, report.failure,
                    len(pending.replay))
     with Step(gw, pending.request, sync_commit=True, claimed=gw.open_step is not None) as again:
         again._replay_layers(pending.replay)

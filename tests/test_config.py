@@ -18,6 +18,22 @@ def test_defaults_are_valid():
     assert cpattn.ServiceConfig is ServiceConfig
 
 
+def test_fields_come_from_the_groups_in_order_each_with_its_help_text():
+    """ServiceConfig inherits its fields from config_groups (issue 19): the same fields, in the groups' order (as
+    --help, errors and model_dump list them), each group's docstrings still its help texts."""
+    from cpattn.config_groups import GROUPS
+
+    in_groups = [name for group in GROUPS for name in group.model_fields]
+    assert list(ServiceConfig.model_fields) == in_groups and len(set(in_groups)) == len(in_groups) == 50
+    assert in_groups[:3] == ["num_shards", "num_layers", "num_q_heads"] and in_groups[-1] == "kv_scales"
+    for name, info in ServiceConfig.model_fields.items():
+        assert info.description and info.description == next(g.model_fields[name].description for g in GROUPS
+                                                              if name in g.model_fields), name
+    assert ServiceConfig.model_fields["rpc_timeout_s"].description == "Timeout of every blocking Ray call."
+    with pytest.raises(ValueError, match="Instance is frozen"):   # still frozen, as before the split
+        ServiceConfig().num_shards = 2
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(num_q_heads=12, num_kv_heads=8), r"num_q_heads 12 is not a multiple of num_kv_heads 8: pick num_kv_heads"),
     (dict(head_size=100), r"head_size 100 must be a multiple of 8 and at most 256: use e\.g\. 64"),

@@ -10,6 +10,7 @@ from cpattn.cluster import authority
 from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.open_steps import OpenStep, OpenSteps, check_local_ranks, check_step_size
 from cpattn.cluster.sequence_table import SequenceTable
+from cpattn.cluster.usage import tokens_on, usage_by_client
 from cpattn.errors import AccessDeniedError, CapacityError, InvalidRequestError, ShardLostError
 
 
@@ -87,7 +88,7 @@ def test_sequences_grow_commit_and_undo():
     table.begin([seq], 8)
     table.commit(["seq-a"], [10], 8)
     assert seq.length == 10 and seq.last_step == 8 and seq.in_step is None and seq.pages_version == 1
-    assert sum(table.tokens_on(r) for r in range(2)) == 10
+    assert sum(tokens_on(table, r) for r in range(2)) == 10
 
 
 def test_sequence_growth_check_names_the_problem():
@@ -126,9 +127,9 @@ def test_usage_lists_only_the_caller_unless_admin():
     for owner, seq_id, n in (("c-1", "s1", 4), ("c-2", "s2", 6), ("c-2", "s3", 1)):
         table.grow([table.add(owner, seq_id)], [n])
         table.commit([seq_id], [n], 1)
-    assert table.usage_by_client("c-1", admin=False) == ({"c-1": {"sequences": 1, "tokens": 4}},
-                                                         {"sequences": 2, "tokens": 7})
-    assert table.usage_by_client(None, admin=True)[0]["c-2"] == {"sequences": 2, "tokens": 7}
+    assert usage_by_client(table, "c-1", admin=False) == ({"c-1": {"sequences": 1, "tokens": 4}},
+                                                          {"sequences": 2, "tokens": 7})
+    assert usage_by_client(table, None, admin=True)[0]["c-2"] == {"sequences": 2, "tokens": 7}
 
 
 # --- OpenSteps ---------------------------------------------------------------------------------------------

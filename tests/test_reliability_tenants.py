@@ -357,7 +357,7 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
             ray.get(svc.gateway.coordinator.list_sequences.remote(svc.client_id), timeout=RPC_S)   # the public id is no key
         with svc.step({mine: 2}) as step:
             with pytest.raises(ray.exceptions.RayTaskError, match="is not open"):
-                ray.get(svc.gateway.coordinator.end_step.remote(step._info["step_id"], False, "spy", spy.credential),
+                ray.get(svc.gateway.coordinator.end_step.remote(step._info.step_id, False, "spy", spy.credential),
                         timeout=RPC_S)
             pending = _attend_all(svc, oracle, step, {mine: 2})
         oracle.commit(pending)

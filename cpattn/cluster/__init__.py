@@ -6,21 +6,24 @@ Which process runs each file (a file in two columns is shared code, imported by 
     the `cpattn` commands)
     ---------------------------------------    -----------------------------    -----------------------------
     service.py      start, find, stop          coordinator.py  remote methods   shard.py        the actor
-    reach.py        reaching a cluster         client_registry.py               fencing.py      old steps fenced
-    placement_wait.py  a start, out loud       sequence_table.py                layer_runner.py per-layer work
-    gateway.py      steps, data plane, rejoin  open_steps.py                    decode_graphs.py  CUDA graphs
-    client_run.py   decode runs (RunControl)   decode_run.py   decode runs      data_plane.py   the wire
-    client_graphs.py  the layer as a graph     prefix_sharing.py  share tokens  netbind.py      bind address
-    client_device.py  device, wire, IPC        step_planner.py  plans           messages.py     info() reply
-    netstore.py     the group's rendezvous     step_outcome.py  end_step reply
-    lease.py        heartbeat (LeaseKeeper)    shard_recovery.py, recovery.py
-    page_delta.py   pages held (PageCache)     shard_set.py, placement.py
-    layer_runner.py, decode_graphs.py          journal.py, usage.py, metrics.py
-                    shards on the client's     lease.py        lease rules
-                    GPU (CUDA IPC)             page_delta.py   deltas sent
-    data_plane.py, netbind.py                  rpc.py, ids.py
-    rpc.py, ids.py  Ray calls, sequence ids    authority.py    (also checked by the shards)
-    messages.py     info() reply
+    reach.py        reaching a cluster         coordinator_sequences.py         fencing.py      old steps fenced
+    placement_wait.py  a start, out loud         (its sequence methods)         layer_runner.py per-layer work
+    gateway.py      steps, data plane, rejoin  client_registry.py  clients      decode_graphs.py  CUDA graphs
+    client_run.py   decode runs (RunControl)   sequence_table.py   sequences    data_plane.py   the wire
+    client_graphs.py  the layer as a graph     open_steps.py   open steps       netbind.py      bind address
+    client_device.py  device, wire, IPC        step_ledger.py  a step's life    messages.py     typed replies
+    netstore.py     the group's rendezvous     generations.py  epoch, restarts
+    lease.py        heartbeat (LeaseKeeper)    decode_run.py   decode runs
+    page_delta.py   pages held (PageCache)     prefix_sharing.py  share tokens
+    layer_runner.py, decode_graphs.py          step_planner.py  plans
+                    shards on the client's     step_outcome.py  end_step reply
+                    GPU (CUDA IPC)             shard_recovery.py, recovery.py
+    data_plane.py, netbind.py                  shard_set.py, placement.py
+    rpc.py, ids.py  Ray calls, sequence ids    journal.py, usage.py, metrics.py
+    messages.py     typed replies              lease.py        lease rules
+                                               page_delta.py   deltas sent
+                                               rpc.py, ids.py, messages.py
+                                               authority.py    (also checked by the shards)
 
 A map rather than client/, coordinator/, shard/ subpackages for now: the decode work in flight this session
 (issue 18) moves gateway.py, shard.py, step planning and the wire between these processes; the layout

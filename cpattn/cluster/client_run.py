@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
+from cpattn.cluster.messages import EndStepReply, StepPlans
 from cpattn.cluster.rpc import call
 from cpattn.errors import ServiceError, ShardLostError
 
@@ -35,6 +36,19 @@ RUN_IDLE_S = 1.0
 """A run whose client started no step for this long ends (at most a quarter of collective_timeout_s)."""
 
 _REAPING = object()   # the Gateway's open_step while the RunReaper ends an idle run
+
+
+@dataclass
+class BegunStep:
+    """A step this client began: planned by begin_step, or the next step of its decode run."""
+
+    step_id: int
+    num_tokens: int
+    seq_ids: list[str]
+    plan_s: float
+    """Seconds begin_step took at the coordinator (0 for a run's later steps: planned with its first)."""
+    wire: Any
+    """Its gateway.StepWire: what each layer needs (local plans, the rows each remote shard returns)."""
 
 
 @dataclass
@@ -56,8 +70,8 @@ class PendingCommit:
 class DecodeRun:
     request: dict[str, int]
     """The request every step of the run answers (compared in order: rows follow it)."""
-    steps: list[dict]
-    """Per step: step_id, local_plans, remote_rows (the first is the begin_step reply itself)."""
+    steps: list[StepPlans]
+    """Per step its plans (the first is the begin_step reply itself)."""
     num_tokens: int
     index: int = 0
     """Steps begun so far."""
@@ -70,7 +84,7 @@ class DecodeRun:
 
     @property
     def first_step_id(self) -> int:
-        return self.steps[0]["step_id"]
+        return self.steps[0].step_id
 
     @property
     def num_steps(self) -> int:
@@ -79,7 +93,7 @@ class DecodeRun:
     def continues(self, request) -> bool:
         return self.index < self.num_steps and list(request.items()) == list(self.request.items())
 
-    def next_step(self) -> dict:
+    def next_step(self) -> StepPlans:
         step = self.steps[self.index]
         self.index += 1
         self.idle_since = None
@@ -146,7 +160,7 @@ class RunControl:
                 return
             if run.timings:
                 self.committed(run.timings[-1], report, run.timings[:-1])
-            if report.get("recovered"):   # a shard was lost between the run's steps (none of them lost KV)
+            if report.recovered:   # a shard was lost between the run's steps (none of them lost KV)
                 self.rejoin()
 
     def _announce(self, run: DecodeRun, step_id: int) -> bool:
@@ -194,7 +208,8 @@ class RunControl:
             step_id, done, earlier = run.first_step_id, run.num_steps, run.timings
         self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done), earlier)
 
-    def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False) -> dict:
+    def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False
+                    ) -> EndStepReply:
         """end_step for one step, of a run or not. ``shards_waiting``: every layer was attended, so a run's
         remote shards wait for its next run header: told END first."""
         with self._run_lock:

@@ -14,6 +14,7 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 
 from __future__ import annotations
 
+from cpattn.cluster.messages import StepPlans
 from cpattn.cluster.decode_run_plans import CompactList, RunPlans, client_steps_of, plan_decode_run, plans_of
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
 from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, for_client, plan_step, table_gatherer
@@ -81,11 +82,12 @@ def later_plans(runs: list[list[ShardStepPlan]], rank: int) -> list[ShardStepPla
     return CompactList(later, plans_of, (runs.ranks[rank], 1)) if isinstance(runs, RunPlans) else later
 
 
-def client_steps(runs: list[list[ShardStepPlan]], step_ids: list[int], local: list[int]) -> tuple[dict, list[dict]]:
+def client_steps(runs: list[list[ShardStepPlan]], step_ids: list[int],
+                 local: list[int]) -> tuple[StepPlans, list[StepPlans]]:
     """What begin_step tells the client of each step, (the first, the later ones): its in-process shards' plans
     (without secret or block table) and the rows each remote shard sends back."""
-    steps = [{"step_id": step_id, "local_plans": {r: for_client(plans[r]) for r in local},
-              "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}}
+    steps = [StepPlans(step_id, {r: for_client(plans[r]) for r in local},
+                       {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows})
              for step_id, plans in zip(step_ids, runs)]
     if isinstance(runs, RunPlans):
         return steps[0], CompactList(steps[1:], client_steps_of, ([r.for_client() for r in runs.ranks], local, 1))

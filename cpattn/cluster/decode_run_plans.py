@@ -18,6 +18,7 @@ import torch
 
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.attention.pcp import plan_causal_pieces
+from cpattn.cluster.messages import StepPlans
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.kvstore import PAD_SLOT_ID, compute_slot_mapping, dcp_local_position, dcp_local_seq_lens, dcp_owner_rank
 from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
@@ -94,14 +95,14 @@ def plans_of(run: RankRun, start: int) -> list[ShardStepPlan]:
     return [run.plan(j) for j in range(start, len(run.step_ids))]
 
 
-def client_steps_of(runs: list[RankRun], local: list[int], start: int) -> list[dict]:
+def client_steps_of(runs: list[RankRun], local: list[int], start: int) -> list[StepPlans]:
     """What begin_step tells the client of steps start.. of a run: its in-process shards' plans (for_client) and
     the rows each remote shard sends back."""
     steps = []
     for j in range(start, len(runs[0].step_ids)):
         plans = [r.plan(j) for r in runs]
-        steps.append({"step_id": runs[0].step_ids[j], "local_plans": {r: plans[r] for r in local},
-                      "remote_rows": {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}})
+        steps.append(StepPlans(runs[0].step_ids[j], {r: plans[r] for r in local},
+                               {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}))
     return steps
 
 

@@ -29,12 +29,12 @@ from cpattn.attention import select_backend
 from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, client_device, open_shared_cache
-from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, DecodeRun, PendingCommit, RunControl,
-                                       RunReaper)
+from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit,
+                                       RunControl, RunReaper)
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
-from cpattn.cluster.messages import ShardInfo
+from cpattn.cluster.messages import EndStepReply, Rejoin, ShardInfo, StepPlans
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.page_delta import PageCache
@@ -125,7 +125,7 @@ class Gateway(RunControl):
                     timeout_s or self.config.rpc_timeout_s, method)
 
     def end_step(self, step_id: int, commit: bool, why: str | None, done: int | None = None,
-                 ends_run: bool = False) -> dict:
+                 ends_run: bool = False) -> EndStepReply:
         """end_step, asked again across a detached coordinator's restart (it knows from its journal whether
         the step committed, else raises StepFencedError: run the step again)."""
         cfg = self.config
@@ -267,14 +267,14 @@ class Gateway(RunControl):
             if self.open_step is step:
                 self.open_step = None
 
-    def committed(self, timings: dict[str, float], report: dict, earlier: list[dict] = ()) -> None:
+    def committed(self, timings: dict[str, float], report: EndStepReply, earlier: list[dict] = ()) -> None:
         """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported;
         a decode run's shards report once for all its steps (``earlier`` and this one), shared out evenly."""
         steps = [*earlier, timings]
         for t in steps:
-            t["plan_s"] += report.get("shard_plan_s", 0.0) / len(steps)
-            t["attention_s"] = report.get("attention_s", 0.0) / len(steps)
-        timings["shard_graphed_steps"] = report.get("shard_graphed_steps", 0)   # of the whole run
+            t["plan_s"] += report.shard_plan_s / len(steps)
+            t["attention_s"] = report.attention_s / len(steps)
+        timings["shard_graphed_steps"] = report.shard_graphed_steps   # of the whole run
         self.last_step_timings = dict(timings)
 
     def wait_for_device(self, wire: StepWire) -> None:
@@ -298,7 +298,7 @@ class Gateway(RunControl):
             raise WireError(f"step {wire.step_id}: a shard's partial did not arrive whole (the shard died or its "
                             "collective was aborted)")
 
-    def begin(self, request: dict[str, int]) -> dict | None:
+    def begin(self, request: dict[str, int]) -> BegunStep | None:
         """Plan a step (or take the next step of this client's decode run); None when the service moved to a
         new epoch (rejoin, then begin again)."""
         cfg = self.config
@@ -306,9 +306,8 @@ class Gateway(RunControl):
             run = self.run
             if run is not None and run.continues(request):
                 step = run.next_step()
-                if self._announce(run, step["step_id"]):
-                    return self._open(dict(step, num_tokens=run.num_tokens, seq_ids=list(request), plan_s=0.0,
-                                           query_lens=list(request.values())))
+                if self._announce(run, step.step_id):
+                    return self._open(step, run.num_tokens, list(request), plan_s=0.0)
             self.end_run()
         if self.plane_broken:
             self.rejoin()
@@ -316,34 +315,33 @@ class Gateway(RunControl):
         ahead = min(cfg.decode_run_steps, self.run_length) if cfg.async_commit and not cfg.detached else 1
         info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held, ahead,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
-        if "rejoin" in info:
+        if isinstance(info, Rejoin):
             return None
-        for r in info["local_plans"]:   # block tables came as deltas (cluster/page_delta.py), one for a whole run
-            table = self.pages.apply(r, info["seq_ids"], info["local_pages"][r])
-            for step in (info, *info["later"]):
-                step["local_plans"][r].metadata.block_table_tensor = table
-        if info["later"]:
-            self.run = DecodeRun(dict(request), [info, *info["later"]], info["num_tokens"], index=1)
+        for r in info.local_plans:   # block tables came as deltas (cluster/page_delta.py), one for a whole run
+            table = self.pages.apply(r, info.seq_ids, info.local_pages[r])
+            for step in (info, *info.later):
+                step.local_plans[r].metadata.block_table_tensor = table
+        if info.later:
+            self.run = DecodeRun(dict(request), [info, *info.later], info.num_tokens, index=1)
             if self._reaper is None:
                 self._reaper = RunReaper(self.end_idle_run, min(RUN_IDLE_S, cfg.collective_timeout_s / 4))
                 self._reaper.start()
-        return self._open(info)
+        return self._open(info, info.num_tokens, info.seq_ids, info.plan_s)
 
-    def _open(self, info: dict) -> dict:
+    def _open(self, info: StepPlans, num_tokens: int, seq_ids: list[str], plan_s: float) -> BegunStep:
         """The step's wire: its local shards planned (graph buffers refilled), remote rows on this device."""
         cfg = self.config
-        local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info["local_plans"].items()}
+        local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info.local_plans.items()}
         remote_rows = {r: (None if rows is None else rows.to(self.device))
-                       for r, rows in info["remote_rows"].items()}
+                       for r, rows in info.remote_rows.items()}
         norms = None
         if self.device.type == "cuda" and cfg.nan_policy == "reject":
             norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
-        wire = StepWire(info["step_id"], info["num_tokens"], local, remote_rows, norms)
+        wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms)
         if self.client_graphs is not None and self.client_graphs.prepare(wire):
             wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
             wire.norms = None if norms is None else self.client_graphs.norms
-        info["wire"] = wire
-        return info
+        return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire)
 
     def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                v_TKD: torch.Tensor, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,15 +1,23 @@
-"""Typed replies that cross processes (issue 19): what a shard's ``info()`` says about itself.
+"""Typed replies that cross processes (issue 19): what a shard's ``info()`` says about itself, what the
+coordinator's begin_step and end_step answer a client, and what a shard's run_step reports to the coordinator.
 
-A dataclass instead of a dict with string keys: a misspelt field fails where it is read, the fields are
-listed once, and Ray pickles it between the shard, the coordinator and the client like any object.
+Dataclasses instead of dicts with string keys: a misspelt field fails where it is read, the fields are
+listed once, and Ray pickles them between the shard, the coordinator and the client like any object.
 The public surface (``Service.info()``, ``stats()``, ``cpattn status --json``) still shows plain dicts:
-``as_dict()``. (begin_step / end_step / run_step replies follow with the decode work, issue 18.)
+``as_dict()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from cpattn.cluster.page_delta import Delta
+    from cpattn.cluster.step_planner import ShardStepPlan
 
 
 @dataclass(frozen=True)
@@ -45,3 +53,85 @@ class ShardInfo:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class StepPlans:
+    """One step a begin_step planned (a decode run: each of its steps)."""
+
+    step_id: int
+    local_plans: dict[int, ShardStepPlan]
+    """Plans of the shards the client computes in its own process (step_planner.for_client: no secret, and
+    block tables as deltas, ``BeginStepReply.local_pages``)."""
+    remote_rows: dict[int, torch.Tensor | None]
+    """Per remote shard with rows to send: which query rows it computes (None: all)."""
+
+
+@dataclass
+class BeginStepReply(StepPlans):
+    """begin_step's answer: the (first) step's plans, and what the client needs to run it."""
+
+    num_tokens: int
+    seq_ids: list[str]
+    """The step's sequences, canonical ids, in the request's order."""
+    query_lens: list[int]
+    plan_s: float
+    """Seconds the coordinator spent (checks, allocation, plans, handing the remote shards theirs)."""
+    epoch: int
+    local_pages: dict[int, list[Delta]]
+    """The in-process shards' block-table rows, as deltas against the pages the client holds (page_delta.py);
+    one table for a whole decode run (its last step's pages)."""
+    later: list[StepPlans]
+    """A decode run's steps after the first (cluster/decode_run.py); empty for a plain step."""
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """begin_step's answer to a client whose data-plane group predates a shard replacement: nothing was planned;
+    rebuild the group on ``epoch`` and begin again."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class EndStepReply:
+    """end_step's answer (a step that failed for good raises instead)."""
+
+    shard_plan_s: float = 0.0
+    """A committed step: the slowest shard's plan, attention and wire seconds (the step waited for it)."""
+    attention_s: float = 0.0
+    shard_wire_s: float = 0.0
+    shard_graphed_steps: int = 0
+    """The most steps a shard served as one CUDA graph replay (cluster/shard_graphs.py)."""
+    advanced: int | None = None
+    """A decode run that goes on: how many of its steps are committed now."""
+    committed_before_restart: bool = False
+    """The step committed before the coordinator restarted (its journal says so); timings are unknown."""
+    recovered: bool = False
+    """The step was rolled back, the lost shard replaced and every sequence of the step kept its KV: run the
+    step again (``failure`` says why it failed)."""
+    epoch: int | None = None
+    failure: str | None = None
+
+
+@dataclass
+class ShardStepReport:
+    """What a shard's run_step reports: how the step (a decode run: its steps) ended there, and its seconds."""
+
+    outcome: str = "served"
+    """served (every layer), abort (the client rolled back), ended (a decode run the client ended early),
+    broken (the data plane failed: ``error``) or fenced (a restarted coordinator's fence: ``error``)."""
+    plan_s: float = 0.0
+    attention_s: float = 0.0
+    wire_s: float = 0.0
+    layers: int = 0
+    steps: int = 0
+    """A decode run: how many of its steps the shard served."""
+    graphed_steps: int = 0
+    """How many of them were one CUDA graph replay (cluster/shard_graphs.py)."""
+    error: str | None = None
+
+    @classmethod
+    def of(cls, timings: dict) -> "ShardStepReport":
+        """From the dict a shard accumulates while it serves layers (keys: these fields)."""
+        return cls(**timings)

@@ -68,6 +68,10 @@ class OpenSteps:
     def __len__(self) -> int:
         return len(self.steps)
 
+    def restart_at(self, next_step: int) -> None:
+        """After a coordinator restart: new ids from ``next_step``; lower ones were an earlier incarnation's."""
+        self.next_step = self.first_step = next_step
+
     def held_by(self, client_id: str) -> list[OpenStep]:
         return [s for s in self.steps.values() if s.client_id == client_id]
 

@@ -270,22 +270,6 @@ class SequenceTable:
             if u.pages is not None:
                 seq.persisted_pages = sum(len(p) for p in u.pages[3].values())
 
-    # Usage --------------------------------------------------------------------------------------------------
+    # Usage (the rest of it: cluster/usage.py) --------------------------------------------------------------
     def blocks_used(self) -> list[int]:
         return [pool.num_used_blocks for pool in self.allocator.pools]
-
-    def tokens_on(self, rank: int) -> int:
-        return sum(self.allocator.local_tokens(s.length, rank) for s in self.sequences.values())
-
-    def usage_by_client(self, me: str | None, admin: bool) -> tuple[dict[str, dict], dict]:
-        """(per listed client {sequences, tokens}, the others' aggregate): only ``me`` is listed unless admin."""
-        per_client: dict[str, dict] = {}
-        others = {"sequences": 0, "tokens": 0}
-        for s in self.sequences.values():
-            if admin or s.owner == me:
-                c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
-            else:
-                c = others
-            c["sequences"] += 1
-            c["tokens"] += s.length
-        return per_client, others

@@ -24,7 +24,7 @@ from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT,
                                        partial_tag)
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
-from cpattn.cluster.messages import ShardInfo
+from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
@@ -413,7 +413,8 @@ class ShardWorker:
             if step_graphs is not None:
                 step_graphs.release()
 
-    def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None) -> dict:
+    def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None
+                 ) -> ShardStepReport:
         """Serve every layer of one step from the group; returns timings (seconds) and how it ended.
 
         ``later``: the next steps of a decode run (cluster/decode_run.py), each served after the client's run
@@ -434,23 +435,23 @@ class ShardWorker:
         timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
         for index, step_plan in enumerate([plan, *later]):
             if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
-                return self._refuse_fenced(plane, step_plan, timings)
+                return ShardStepReport.of(self._refuse_fenced(plane, step_plan, timings))
             t0 = time.perf_counter()
             planned = self.runner.plan(step_plan, self._graphs[group_name])
             timings["plan_s"] += time.perf_counter() - t0
             try:
                 if index and not self._next_in_run(plane, index, step_plan):
-                    return dict(timings, outcome="ended")
+                    return ShardStepReport(**dict(timings, outcome="ended"))
                 timings = self._serve_layers(plane, planned, timings, step_graphs)
             except RuntimeError as exc:
                 # The group broke (a peer died or timed out): report it as data, the coordinator decides.
-                return dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}")
+                return ShardStepReport(**dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}"))
             finally:
                 self._fence.leave()   # fencing: this thread writes no more
             if timings["outcome"] != "served":
-                return timings
+                return ShardStepReport.of(timings)
             timings["steps"] += 1
-        return timings
+        return ShardStepReport.of(timings)
 
     def _next_in_run(self, plane: DataPlane, index: int, plan: ShardStepPlan) -> bool:
         """Wait for the run header before a run's step ``index``: True for NEXT, False for END."""

@@ -14,6 +14,7 @@ from typing import Callable
 
 import ray
 
+from cpattn.cluster.messages import ShardStepReport
 from cpattn.cluster.open_steps import OpenStep
 from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.sequence_table import SequenceTable
@@ -104,7 +105,7 @@ class ShardRecovery:
                        "refilled from replicas" if copies is not None else "its sequences were dropped")
 
     def step_failure(self, step: OpenStep, failure: str | None,
-                     epoch: Callable[[], int]) -> tuple[list[dict], str | None]:
+                     epoch: Callable[[], int]) -> tuple[list[ShardStepReport], str | None]:
         """A step's shard reports, and why it failed (None: it may commit). ``epoch()``: the coordinator's now."""
         reports = []
         if failure is None:
@@ -112,7 +113,7 @@ class ShardRecovery:
                 # The client received every partial, so the shards' calls have ended or are about to: a call that
                 # does not return within a collective timeout is cut off (a partition), not waited for.
                 reports = ray.get(step.refs, timeout=min(self.config.rpc_timeout_s, self.config.collective_timeout_s))
-                broken = [r["error"] for r in reports if r.get("outcome") == "broken"]
+                broken = [r.error for r in reports if r.outcome == "broken"]
                 if broken:
                     failure = f"data plane broke on a shard: {broken[0]}"
             except (ray.exceptions.RayError, CpattnError) as exc:

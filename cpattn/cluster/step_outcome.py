@@ -5,18 +5,19 @@ Pure functions (no Ray, no state): the coordinator decides the order, these the 
 
 from __future__ import annotations
 
+from cpattn.cluster.messages import EndStepReply, ShardStepReport
 from cpattn.errors import InvalidRequestError, ServiceError, StepFencedError
 
-COMMITTED_BEFORE_RESTART = {"shard_plan_s": 0.0, "attention_s": 0.0, "shard_wire_s": 0.0,
-                            "committed_before_restart": True}
+COMMITTED_BEFORE_RESTART = EndStepReply(committed_before_restart=True)
 
 
-def shard_timings(reports: list[dict]) -> dict[str, float]:
+def shard_timings(reports: list[ShardStepReport]) -> EndStepReply:
     """The slowest shard's plan, attention and wire seconds (the step waited for it), and the most steps a
     shard served as one graph replay (cluster/shard_graphs.py)."""
-    return {key: max((r.get(field, 0.0) for r in reports), default=0.0)
-            for key, field in (("shard_plan_s", "plan_s"), ("attention_s", "attention_s"), ("shard_wire_s", "wire_s"),
-                               ("shard_graphed_steps", "graphed_steps"))}
+    return EndStepReply(shard_plan_s=max((r.plan_s for r in reports), default=0.0),
+                        attention_s=max((r.attention_s for r in reports), default=0.0),
+                        shard_wire_s=max((r.wire_s for r in reports), default=0.0),
+                        shard_graphed_steps=max((r.graphed_steps for r in reports), default=0))
 
 
 def unknown_step_error(step_id, begun_before_restart: bool) -> InvalidRequestError | StepFencedError:

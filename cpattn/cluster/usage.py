@@ -27,10 +27,10 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
         shards.append({"rank": rank, "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
                        "blocks_shared": pool.num_shared_blocks,
                        "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
-                       "tokens": table.tokens_on(rank), "bytes": pool.num_used_blocks * bytes_per_block,
+                       "tokens": tokens_on(table, rank), "bytes": pool.num_used_blocks * bytes_per_block,
                        **{k: info.get(k) for k in ("node_ip", "node_id", "device", "backend")},
                        "alive": rank not in shard_set.lost})
-    per_client, others = table.usage_by_client(me, admin)
+    per_client, others = usage_by_client(table, me, admin)
     return {"shards": shards, "num_sequences": len(table.sequences), "clients": per_client,
             "other_clients": {"clients": num_other_clients, **others},
             "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
@@ -39,3 +39,22 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
             "steps_committed": steps.num_committed, "steps_rolled_back": steps.num_rolled_back,
             "shards_replaced": extra["shards_replaced"], "epoch": extra["epoch"], "open_steps": len(steps),
             "num_clients": len(clients)}
+
+
+def tokens_on(table: SequenceTable, rank: int) -> int:
+    """The tokens shard ``rank`` holds (logical: every sequence its own, shared pages or not)."""
+    return sum(table.allocator.local_tokens(s.length, rank) for s in table.sequences.values())
+
+
+def usage_by_client(table: SequenceTable, me: str | None, admin: bool) -> tuple[dict[str, dict], dict]:
+    """(per listed client {sequences, tokens}, the others' aggregate): only ``me`` is listed unless admin."""
+    per_client: dict[str, dict] = {}
+    others = {"sequences": 0, "tokens": 0}
+    for s in table.sequences.values():
+        if admin or s.owner == me:
+            c = per_client.setdefault(s.owner, {"sequences": 0, "tokens": 0})
+        else:
+            c = others
+        c["sequences"] += 1
+        c["tokens"] += s.length
+    return per_client, others

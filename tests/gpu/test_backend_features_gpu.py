@@ -176,7 +176,7 @@ def test_triton_fp8_write_matches_torch_quantize_bytes(fmt):
     """The KV write kernel quantises exactly as kvstore.fp8.quantize (torch): same bytes, on a cache view with
     kernel pages smaller than the scale pages, with values that saturate (inf), stay NaN, or go subnormal."""
     from cpattn.attention.backend import write_kv_cache as torch_write
-    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.attention.backends import triton_kv_write as tk
     from cpattn.kvstore.fp8 import FP8_FORMATS, PageScaleWrites
 
     _backend_or_skip("TRITON", fmt, None, None)

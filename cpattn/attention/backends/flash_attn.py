@@ -29,6 +29,7 @@ from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, Atte
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
 from cpattn.attention.ops.lse import LseBase
+from cpattn.attention.ops.partials import unattended_rows
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -223,10 +224,8 @@ class FlashAttentionImpl(AttentionImpl):
         causal bottom-right, so query qs + i sees keys [ks, qs + i]."""
         if not q_TQD.is_cuda:
             return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
-        t, hq, d = q_TQD.shape
-        out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
-        lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
-        pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
+        t = q_TQD.shape[0]
+        out, lse, pieces = unattended_rows(q_TQD, pieces_P3)
         if not pieces:
             return out, lse
         dev = q_TQD.device

@@ -1,4 +1,4 @@
-"""TRITON backend: the project's own paged attention kernels (``triton_kernels``), natural-log LSE.
+"""TRITON backend: the project's own paged attention kernels (``triton_decode``, ``triton_prefill``, ``triton_kv_write``), natural-log LSE.
 
 Legend: T tokens, Q query heads, K kv heads, D head size, B requests, S KV splits.
 The builder sorts requests into decodes (one query: flash-decoding, split-KV so a single long
@@ -10,7 +10,6 @@ imported only when a plan is built or availability is checked, so CPU installs i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.ops.lse import LseBase
+from cpattn.attention.ops.partials import unattended_rows
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -65,7 +65,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     """Plans once per step: decode token lists and split count, prefill tiles."""
 
     def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        from cpattn.attention.backends import triton_kernels as tk
+        from cpattn.attention.backends.triton_decode import decode_num_splits
+        from cpattn.attention.backends.triton_prefill import make_prefill_tiles, prefill_block_sizes
 
         dev = torch.device(self.spec.device)
         qsl = common.query_start_loc_cpu.tolist()
@@ -82,16 +83,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         dec_reqs = [r for r in dec for _ in range(q_lens[r])]
         i32 = dict(dtype=torch.int32)
         dec_kv = [seq[r] for r in dec_reqs]
-        splits = (tk.decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(dec_kv), dev)
+        splits = (decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(dec_kv), dev)
                   if dec and max(dec_kv) > 0 else 1)
-        block_m = tk.prefill_block_sizes(self.spec.head_size)[0]
-        tiles = tk.make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
+        block_m = prefill_block_sizes(self.spec.head_size)[0]
+        tiles = make_prefill_tiles(pre, [qsl[r] for r in pre], [q_lens[r] for r in pre], block_m, dev)
         window_starts = {}
         for w in sorted({w for w in self.spec.sliding_windows if w is not None}):
             starts = common.window_key_start(w)
             dec_starts = starts[dec_toks]
             in_window = [max(0, kv - int(st)) for kv, st in zip(dec_kv, dec_starts.tolist())]
-            w_splits = (tk.decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(in_window), dev)
+            w_splits = (decode_num_splits(len(dec_toks), self.spec.num_kv_heads, max(in_window), dev)
                         if dec and max(in_window) > 0 else 1)
             window_starts[w] = (starts.to(torch.int32).to(dev, non_blocking=True),
                                 dec_starts.to(torch.int32).to(dev, non_blocking=True), w_splits)
@@ -147,7 +148,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata, kv_scale=None):
-        from cpattn.attention.backends import triton_kernels as tk
+        from cpattn.attention.backends.triton_decode import paged_decode
+        from cpattn.attention.backends.triton_prefill import prefill
 
         md: TritonAttentionMetadata = attn_metadata
         if md.has_writes:
@@ -161,10 +163,10 @@ class TritonAttentionImpl(AttentionImpl):
         if window is not None:
             tok_starts, dec_starts, splits = md.window_starts[window]
         features = dict(kv_scale=kv_scale, soft_cap=cap)
-        tk.paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
-                        splits, self.spec.scale, out, lse, all_rows=md.decode_only, key_start=dec_starts, **features)
-        tk.prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
-                   md.causal, self.spec.scale, out, lse, key_start=tok_starts, **features)
+        paged_decode(q_TQD, k_cache, v_cache, md.block_table, md.dec_tok, md.dec_req, md.dec_kv_len,
+                     splits, self.spec.scale, out, lse, all_rows=md.decode_only, key_start=dec_starts, **features)
+        prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
+                md.causal, self.spec.scale, out, lse, key_start=tok_starts, **features)
         return out, lse
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
@@ -189,11 +191,11 @@ def write_kv_cache_fast(kv_cache: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torc
     # (Triton's interpreter rounds float32 -> fp8 differently from the GPU and torch: fp8 writes stay in torch there.)
     if kv_cache.is_cuda or (_interpreting() and kv_scale_2NK is None):
         try:
-            from cpattn.attention.backends import triton_kernels as tk
+            from cpattn.attention.backends import triton_kv_write
         except ImportError:
             pass
         else:
-            tk.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
+            triton_kv_write.write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
             return
     write_kv_cache(kv_cache, k_TKD, v_TKD, slot_mapping_T, kv_scale_2NK)
 
@@ -204,9 +206,9 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
     """Causal attention among new tokens by pieces (q_start, q_end, k_start) with the prefill kernel;
     rows no piece covers get out 0, lse -inf. Natural-log LSE [T, Q] float32. A piece's tokens are consecutive
     positions, so a sliding window is relative: query i sees keys i - window < j <= i."""
-    from cpattn.attention.backends import triton_kernels as tk
+    from cpattn.attention.backends.triton_prefill import make_prefill_tiles, prefill, prefill_block_sizes
 
-    t, hq, d = q_TQD.shape
+    t, hq = q_TQD.shape[:2]
     if _each_token_alone(pieces_P3, t):
         # A decode-only step: each token sees only itself, softmax over one key.
         g = hq // k_TKD.shape[1]
@@ -215,15 +217,13 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
         if soft_cap is not None:
             lse = soft_cap * torch.tanh(lse / soft_cap)
         return v_TKD.repeat_interleave(g, dim=1).to(q_TQD.dtype), lse
-    out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
-    lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
-    pieces = [p for p in pieces_P3.tolist() if p[1] > p[0]]
+    out, lse, pieces = unattended_rows(q_TQD, pieces_P3)
     if not pieces:
         return out, lse
     dev = q_TQD.device
-    block_m = tk.prefill_block_sizes(head_size)[0]
-    tiles = tk.make_prefill_tiles(list(range(len(pieces))), [p[0] for p in pieces], [p[1] - p[0] for p in pieces],
-                                  block_m, dev)
+    block_m = prefill_block_sizes(head_size)[0]
+    tiles = make_prefill_tiles(list(range(len(pieces))), [p[0] for p in pieces], [p[1] - p[0] for p in pieces],
+                               block_m, dev)
     i32 = dict(dtype=torch.int32)
     req_seq = torch.tensor([qe - ks for _, qe, ks in pieces], **i32).to(dev, non_blocking=True)
     req_qlen = torch.tensor([qe - qs for qs, qe, _ in pieces], **i32).to(dev, non_blocking=True)
@@ -234,8 +234,8 @@ def triton_ragged_causal(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.
         for qs, qe, ks in pieces:                      # counted from the piece's first key
             starts[qs:qe] = (torch.arange(qs, qe) - window + 1 - ks).clamp(min=0)
         key_start = starts.to(torch.int32).to(dev, non_blocking=True)
-    tk.prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse,
-               key_start=key_start, soft_cap=soft_cap)
+    prefill(q_TQD, k_TKD, v_TKD, None, tiles, req_seq, req_qlen, req_kv0, True, scale, out, lse,
+            key_start=key_start, soft_cap=soft_cap)
     return out, lse
 
 

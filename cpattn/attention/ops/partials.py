@@ -1,9 +1,12 @@
-"""The shape contract of partial attention states, checked by every merge (torch and Triton).
+"""The shape contract of partial attention states, checked by every merge (torch and Triton), and the state
+of rows that attended nothing.
 
-Legend: N partials, T tokens, H heads, D head size.
+Legend: N partials, T tokens, H heads, D head size, P pieces.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -22,3 +25,12 @@ def stack_partials(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch
     if outs.shape[0] == 0:
         raise InvalidRequestError(f"{caller} needs at least one partial (N >= 1)")
     return outs, lses
+
+
+def unattended_rows(q_TQD: torch.Tensor, pieces_P3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Attention among a step's new tokens by pieces (q_start, q_end, k_start) starts here: out 0 and LSE -inf
+    (float32) on every row, which rows no piece covers keep; and the pieces that hold queries, as lists."""
+    t, hq, d = q_TQD.shape
+    out_TQD = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+    lse_TQ = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
+    return out_TQD, lse_TQ, [p for p in pieces_P3.tolist() if p[1] > p[0]]

@@ -1,0 +1,162 @@
+"""The TRITON backend's paged split-KV decode (flash-decoding), with LSE.
+
+One program per (token, kv head, split). A program holds all G query heads of its kv head as the rows of one
+tile, so each K/V byte is read once per kv head, and the key range is cut into S splits so a single long
+sequence still fills every SM. Partials [S, T, Q, D] are merged by LSE (``merge_triton``); with S = 1 the
+kernel writes the output directly. Legend and shared tiles: triton_tiles.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cpattn.attention.backends.triton_tiles import feature_args, kv_tile, online_softmax_tile
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, req_ptr, klen_ptr, kstart_ptr, ks_ptr, vs_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_sp, scale_div,
+    stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
+    scale_log2, cap_in, cap_out,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    tok = tl.load(tok_ptr + i).to(tl.int64)
+    req = tl.load(req_ptr + i).to(tl.int64)
+    kv_len = tl.load(klen_ptr + i)
+    # A sliding window: the token's first visible local key; the splits cut only [first, kv_len), so pages
+    # wholly before the window are never read.
+    if WINDOW:
+        first = tl.load(kstart_ptr + i)
+    else:
+        first = 0
+    num_keys = tl.maximum(kv_len - first, 0)
+    # Each token cuts its own keys into the S splits (whole tiles): lengths stay on the device, so a
+    # captured CUDA graph replays correctly as sequences grow, and short rows of a batch end early.
+    chunk = tl.cdiv(tl.cdiv(num_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = first + s * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    heads = kh * G + offs_g
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        n_mask = pos < end
+        k, v, k_scale, v_scale = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, 0,
+                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         stride_sp, scale_div, offs_d, d_mask, PS, True, True, FP8)
+        acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
+                                            scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    if DIRECT:
+        o_rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + tok * stride_lt + heads, lse, mask=g_mask)
+    else:
+        o_rows = out_ptr + s * stride_os + i * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_rows, out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + s * stride_ls + i * stride_lt + heads, lse, mask=g_mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if torch.device(device).type != "cuda":
+        return 132          # TRITON_INTERPRET runs on the CPU: plan as for an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
+# length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
+DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8)
+
+
+def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                      block_n: int | None = None) -> int:
+    """S: enough (token, kv head, split) programs to fill the GPU ``waves`` times, splits at least
+    ``min_tiles`` tiles long so each amortizes its merge; a power of two, so a decode loop's S (and
+    the CUDA graphs captured for it) changes only a few times as its sequences grow."""
+    block_n = block_n or DECODE_CONFIG["block_n"]
+    target = DECODE_CONFIG["waves"] * _num_sms(device)
+    programs = max(1, num_tokens * num_kv_heads)
+    max_splits = max(1, -(-max_kv_len // (DECODE_CONFIG["min_tiles"] * block_n)))
+    splits = max(1, min(-(-target // programs), max_splits, 256))
+    return 1 << (splits.bit_length() - 1)
+
+
+def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int,
+                 scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False,
+                 key_start: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None,
+                 soft_cap: float | None = None) -> None:
+    """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
+    ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
+    ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step).
+    ``key_start`` (int32, one per decode): a sliding window's first visible key (keys before it are not read).
+    ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap)."""
+    from cpattn.attention.ops.lse import LseBase
+    from cpattn.attention.merge_triton import merge_attn_states_triton
+
+    num_tok = tok_idx.numel()
+    if num_tok == 0:
+        return
+    hq, d = q_TQD.shape[1], q_TQD.shape[2]
+    _, ps, hk, _ = k_cache.shape
+    g = hq // hk
+    block_g = max(16, triton.next_power_of_2(g))
+    block_d = triton.next_power_of_2(d)
+    cfg = DECODE_CONFIG
+    block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
+    grid = (num_tok, hk, splits)
+    launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
+    common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2, **flags)
+    ks, vs, stride_sp, scale_div, *logit_args = launch_args
+    args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
+                 kv_lens if key_start is None else key_start, ks, vs)
+    strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
+    if splits == 1:
+        _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
+                                   0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
+                                   *logit_args, DIRECT=True, **common)
+        return
+    part_out = torch.empty(splits, num_tok, hq, d, dtype=torch.float32, device=q_TQD.device)
+    part_lse = torch.empty(splits, num_tok, hq, dtype=torch.float32, device=q_TQD.device)
+    _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
+                               part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                               part_lse.stride(0), part_lse.stride(1),
+                               *logit_args, DIRECT=False, **common)
+    if all_rows:
+        # Every token is a decode, in order: the merge writes the output in place.
+        merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)
+    else:
+        merged, merged_lse = merge_attn_states_triton(part_out, part_lse, LseBase.E, out_dtype=out_TQD.dtype)
+        rows = tok_idx.long()
+        out_TQD.index_copy_(0, rows, merged)
+        lse_TQ.index_copy_(0, rows, merged_lse)
