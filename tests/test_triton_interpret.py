@@ -29,7 +29,9 @@ FP8_BOUND = {"fp8_e4m3": 1e-1, "fp8_e5m2": 2e-1}
 
 @pytest.mark.parametrize("window, cap, fmt, world, interleave", [
     (None, None, None, 1, 1), (37, None, None, 1, 1), (None, 5.0, None, 1, 1), (None, None, "fp8_e4m3", 1, 1),
-    (37, 5.0, "fp8_e5m2", 1, 1), (37, 5.0, "fp8_e4m3", 2, 1), (70, 5.0, "fp8_e4m3", 2, 16)])
+    (37, 5.0, "fp8_e5m2", 1, 1), (37, 5.0, "fp8_e4m3", 2, 1), (70, 5.0, "fp8_e4m3", 2, 16),
+    # DCP context passes without windows: the 7- and 5-query requests run as query groups (triton_query_groups.py)
+    (None, None, None, 2, 1), (None, 5.0, "fp8_e4m3", 3, 16)])
 def test_triton_features_vs_float64(window, cap, fmt, world, interleave):
     b = outlier_batch(*SHAPE, 8, 2, 32, 16, torch.float16, "cpu", seed=1)
     (out, lse), (same, same_lse), (exact, _) = run_case(TritonAttentionBackend, b, window, cap, fmt, "cpu", world,

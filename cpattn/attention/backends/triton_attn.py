@@ -18,6 +18,7 @@ from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, Atte
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.ops.partials import unattended_rows
+from cpattn.attention.backends.triton_query_groups import attend_query_groups, max_queries, plan_query_groups
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -55,10 +56,13 @@ class TritonAttentionMetadata:
     window_starts: dict = dataclasses.field(default_factory=dict)
     """Sliding window W -> (key_start (T,) int32 by token row, key_start of each decode (Td,) int32, S of the
     decodes under that window): first visible local key per query (CommonAttentionMetadata.window_key_start)."""
+    query_groups: list = dataclasses.field(default_factory=list)
+    """A context pass's few-query requests, all of a request's queries per program (triton_query_groups.py)."""
 
 
 CONTEXT_DECODE_MAX_QUERIES = 16
-"""A context pass's requests with at most this many queries use the decode kernel (TritonMetadataBuilder.build)."""
+"""Under sliding windows, a context pass's requests with at most this many queries use the decode kernel, one
+program per query (TritonMetadataBuilder.build)."""
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -73,12 +77,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         seq = common.seq_lens_cpu.tolist()
         q_lens = [qsl[r + 1] - qsl[r] for r in range(common.num_reqs)]
         # Every query of a context pass (causal=False) sees the same keys, so a request with a few queries goes
-        # through the split-KV decode kernel one program per query (they read the same tiles together, from L2):
-        # a shared prefix's pass of N forks' queries over a long prefix (cascade_plan.py); the prefill kernel
-        # would run one unsplit program per head over all of it.
-        few = CONTEXT_DECODE_MAX_QUERIES if not common.causal else 1
+        # through the split-KV decode kernel (the prefill kernel would run one unsplit program per head over all
+        # its keys): a shared prefix's pass of N forks' queries over a long prefix (cascade_plan.py). Without
+        # windows all its queries share each program (triton_query_groups.py: one read of each tile); with
+        # windows (key ranges per query) one program per query.
+        windows = any(w is not None for w in self.spec.sliding_windows)
+        most = max_queries(self.spec.num_q_heads, self.spec.num_kv_heads) if not common.causal and not windows else 1
+        grouped = [r for r in range(common.num_reqs) if 1 < q_lens[r] <= most]
+        few = CONTEXT_DECODE_MAX_QUERIES if not common.causal and windows else 1
         dec = [r for r in range(common.num_reqs) if 1 <= q_lens[r] <= few]
-        pre = [r for r in range(common.num_reqs) if q_lens[r] > few]
+        pre = [r for r in range(common.num_reqs) if q_lens[r] > max(few, most)]
         dec_toks = [t for r in dec for t in range(qsl[r], qsl[r + 1])]
         dec_reqs = [r for r in dec for _ in range(q_lens[r])]
         i32 = dict(dtype=torch.int32)
@@ -109,7 +117,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             req_seq=torch.tensor(seq, **i32).to(dev, non_blocking=True),
             req_qlen=torch.tensor(q_lens, **i32).to(dev, non_blocking=True),
             req_kv0=torch.zeros(common.num_reqs, **i32, device=dev),
-            causal=common.causal, window_starts=window_starts)
+            causal=common.causal, window_starts=window_starts,
+            query_groups=plan_query_groups(qsl, q_lens, seq, grouped, self.spec.num_kv_heads, dev) if grouped else [])
 
 
     # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
@@ -167,6 +176,8 @@ class TritonAttentionImpl(AttentionImpl):
                      splits, self.spec.scale, out, lse, all_rows=md.decode_only, key_start=dec_starts, **features)
         prefill(q_TQD, k_cache, v_cache, md.block_table, md.tiles, md.req_seq, md.req_qlen, md.req_kv0,
                 md.causal, self.spec.scale, out, lse, key_start=tok_starts, **features)
+        attend_query_groups(md.query_groups, q_TQD, k_cache, v_cache, md.block_table, self.spec.scale, out, lse,
+                            **features)
         return out, lse
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
