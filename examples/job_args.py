@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import argparse
 
-# Defaults per device: the CPU values are the tiny model's CI run; the CUDA values run the Llama-3-8B shape with
-# one shard per half GPU (the job's entrypoint holds the other half: Ray's fractional GPUs are best-fit, so the
-# first shard lands on the job's own GPU and is computed in-process over CUDA IPC).
+# Defaults per device: the CPU values are the tiny model's CI run; the CUDA values run the Llama-3-8B shape, the
+# first shard on this process's GPU (computed in-process over CUDA IPC), see default_gpus_per_shard.
 DEVICE_DEFAULTS = {
     "cpu": {"model": None, "dtype": "float32", "shards": 4, "cpus_per_shard": 0.5, "gpus_per_shard": 0.0,
             "pcp_min_tokens": 128},
-    "cuda": {"model": "llama3-8b", "dtype": "bfloat16", "shards": 1, "cpus_per_shard": 1.0, "gpus_per_shard": 0.5,
+    "cuda": {"model": "llama3-8b", "dtype": "bfloat16", "shards": 1, "cpus_per_shard": 1.0, "gpus_per_shard": None,
              "pcp_min_tokens": 2048},
 }
+
+
+def default_gpus_per_shard() -> float:
+    """0.5 in a Ray job's entrypoint that holds a GPU (Ray set its CUDA_VISIBLE_DEVICES; the entrypoint asked for
+    half of one, `--entrypoint-num-gpus 0.5`): Ray's fractional GPUs are best-fit, so the first shard takes the
+    other half of this GPU and is computed in-process, the next ones whole GPUs of their own. 1 elsewhere (a
+    plain process holds no Ray GPU and computes on GPU 0, where Ray puts the first one-GPU shard)."""
+    import os
+
+    in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    return 0.5 if in_job and os.environ.get("CUDA_VISIBLE_DEVICES") else 1.0
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -48,7 +58,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="the service's KV cache element type (ServiceConfig.kv_cache_dtype); fp8 halves bf16's KV")
     p.add_argument("--cpus-per-shard", type=float, default=None, help="default: 0.5 on cpu, 1 on cuda")
     p.add_argument("--gpus-per-shard", type=float, default=None,
-                   help="default: 0 on cpu; 0.5 on cuda (the job's entrypoint takes the other half of its GPU)")
+                   help="default: 0 on cpu; on cuda 0.5 in a Ray job holding half a GPU (--entrypoint-num-gpus "
+                        "0.5: the first shard shares its GPU), else 1")
     p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     p.add_argument("--pcp-min-tokens", type=int, default=None,
                    help="prefill chunks this long split across shards (default: 128 on cpu, 2048 on cuda)")
@@ -68,6 +79,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.gpus_per_shard is None:
+        args.gpus_per_shard = default_gpus_per_shard()
     problems = []
     if args.device == "cuda":
         import torch

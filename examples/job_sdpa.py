@@ -3,6 +3,8 @@ attention and its own DynamicCache on one device, run the same way (chunked pref
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 # Tokens of random KV written per cache update by fill_random: bounds the transient copy (DynamicCache
@@ -25,13 +27,15 @@ class SdpaLM:
         self.batch = batch
         self.cache = DynamicCache()
         self.position = 0
+        # transformers 5.2x renamed forward's past_key_values to cache (the old name warns); 5.17 has only the old
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last new token per row, [B, vocab]; the tokens' KV joins the cache (positions continue
         from the cache's length)."""
-        out = self.model(input_ids=input_ids.to(self.device), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1,
+                         **{self.cache_kwarg: self.cache})
         self.position += input_ids.shape[1]
         return out.logits[:, -1]
 

@@ -245,11 +245,11 @@ def check_geometry(svc_config, model_config, dtype: str) -> None:
 
 
 def check_gpu_memory(svc_config, model, args) -> None:
-    """Before any shard starts: with shards sharing GPUs (gpus_per_shard < 1) one lands on this process's GPU
-    (Ray's fractional GPUs are best-fit), so its KV must fit in what the model left free. Refuses, saying what
-    to change, instead of a shard dying in its constructor."""
+    """Before any shard starts: the first shard lands on this process's GPU (job_args.default_gpus_per_shard), so
+    its KV must fit in what the model left free. Refuses, saying what to change, instead of a shard dying in its
+    constructor."""
     device = next(model.parameters()).device
-    if device.type != "cuda" or svc_config.num_gpus_per_shard >= 1:
+    if device.type != "cuda":
         return
     from cpattn.errors import ConfigError
 
