@@ -358,8 +358,13 @@ def run_sdpa(args, model, prompt) -> dict:
     return {"tokens": new_tokens.tolist(), "timings": timings, "backend": "sdpa", "kv_gib_per_shard": kv / GIB}
 
 
+def parse_args(argv):
+    """The job's flags as given (job_args.parser); ``resolve`` fills the per-device defaults and checks them."""
+    return parser(__doc__.split("\n\n")[0]).parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = resolve(parser(__doc__.split("\n\n")[0]).parse_args(argv))
+    args = resolve(parse_args(argv))
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     t = time.perf_counter()
     model = build_model(args.model, args.seed, args.layers, args.dtype, device,
