@@ -15,9 +15,10 @@
 # Rows "-synth" write random KV for all but the last 8K tokens (--synthetic-prefix): decode at that length and
 # whether it fits, in about a minute, without the prefill's time (their prefill tokens/s is of 8K tokens only).
 #
-# Ray: `ray start --head` daemonizes (its processes start a session of their own, so they outlive this command);
-# this script never runs `ray stop` (that would stop every Ray instance on the machine) and reuses a head that
-# an earlier call on a still-warm machine left running. The lent machine is discarded afterwards anyway.
+# Ray: `ray start --head` returns once the head runs in the background (it records no PID for us: its processes
+# stay in this command's process session, where the device machine ends them when the command returns, so each
+# call starts its own head, ~10-20 s). This script never runs `ray stop` (that would stop every Ray instance on
+# the machine); a head still answering from an earlier call is reused. The lent machine is discarded afterwards.
 # GPUs: a cpattn row's entrypoint asks for half a GPU (--entrypoint-num-gpus 0.5); Ray's fractional GPUs are
 # best-fit, so the job's first shard (--gpus-per-shard 0.5, the job's default in such an entrypoint) takes the
 # other half of the job's GPU and is computed in the job's process (CUDA IPC), a second shard gets the other GPU
@@ -76,16 +77,21 @@ fi
 for r in "$@"; do row_spec "$r" >/dev/null || { echo "unknown row $r: bash scripts/job_gpu.sh list" >&2; exit 2; }; done
 say() { echo "[job_gpu +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 
+job_server_up() {   # any HTTP answer counts (401: the cluster has token auth on, which `cpattn submit` handles)
+  $PY -c "import sys, urllib.request, urllib.error
+try: urllib.request.urlopen(sys.argv[1] + '/api/version', timeout=3)
+except urllib.error.HTTPError: pass" "$JOBS" 2>/dev/null
+}
+
 start_head() {   # once per machine; a head left by an earlier call is reused
-  if $PY -c "import urllib.request; urllib.request.urlopen('$JOBS/api/version', timeout=3)" 2>/dev/null; then
+  if job_server_up; then
     say "a Ray head with a job server already runs here: reusing it"; return 0; fi
   say "ray start --head --num-gpus=$GPUS"
   ray start --head --num-gpus="$GPUS" --disable-usage-stats --temp-dir="${RAY_TMP:-/tmp/ray_job_gpu}" \
     --port="$RAY_PORT" --dashboard-host=127.0.0.1 --dashboard-port="$DASH_PORT" >>"$LOG" 2>&1 \
     || { say "ray start failed (see the log)"; return 1; }
   for _ in $(seq 30); do
-    $PY -c "import urllib.request; urllib.request.urlopen('$JOBS/api/version', timeout=3)" \
-      2>/dev/null && return 0
+    job_server_up && return 0
     sleep 1
   done
   say "the Ray job server at $JOBS did not answer (is ray[default] staged?)"; return 1
