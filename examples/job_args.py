@@ -67,6 +67,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                                                              "forked into N sequences, each with its own question")
     p.add_argument("--question-len", type=int, default=16, help="random tokens of each question (--questions)")
     p.add_argument("--verify", action="store_true", help="also run eager attention and fail unless tokens match")
+    p.add_argument("--oracle-check", action="store_true",
+                   help="check layer 0's attention of the last decode step against float64 over the whole context "
+                        "(its K/V recomputed from the token ids; cheap even at 1M tokens) and fail beyond bf16/fp8 error")
     p.add_argument("--json-out", default=None, help="write tokens, timings, config and versions as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -106,6 +109,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                             f"{args.prompt_len} (exclusive), with a random prompt (no --prompt-file)")
         if args.questions or args.verify:
             problems.append("--synthetic-prefix writes random KV no model produced: drop --questions and --verify")
+    if args.oracle_check and (args.attn != "cpattn" or args.synthetic_prefix or args.questions
+                              or args.max_new_tokens < 2):
+        problems.append("--oracle-check checks a decode step of a prefilled prompt on cpattn: use --attn cpattn, "
+                        "--max-new-tokens 2 or more, and no --synthetic-prefix or --questions")
     if args.chunk_size < 1 or args.max_new_tokens < 0 or args.batch < 1 or args.shards < 1:
         problems.append("--chunk-size, --batch and --shards must be >= 1 and --max-new-tokens >= 0")
     if problems:

@@ -60,6 +60,8 @@ class StepAttention:
 
     def __init__(self):
         self.step = None
+        self.capture_layer: int | None = None   # --oracle-check: keep this layer's q and output of decode steps
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         if self.step is None:
@@ -74,6 +76,8 @@ class StepAttention:
         k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
         out = self.step.attend(module.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
+        if t == 1 and module.layer_idx == self.capture_layer:
+            self.captured = (q.clone(), out.clone())
         return out.view(b, t, hq, d), None
 
 
@@ -297,6 +301,7 @@ def run_cpattn(args, model, prompt, questions) -> dict:
                 print(f"cpattn: random KV of {args.synthetic_prefix} tokens written in {time.perf_counter() - t:.1f}s",
                       file=sys.stderr, flush=True)
             bar = Progress(prompt.shape[1] + args.max_new_tokens, kv_per_shard, not args.no_progress)
+            ATTENTION.capture_layer = 0 if args.oracle_check else None
             try:
                 new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, bar)
             except torch.cuda.OutOfMemoryError as exc:   # the client's GPU (model + chunk + the in-process shard)
@@ -408,6 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         print("verify: identical to eager attention" if same else
               f"verify: MISMATCH vs eager attention: {reference.tolist()}")
         status = 0 if same else 1
+    if args.oracle_check and result["status"] == "ok":
+        from job_oracle import check_layer0
+
+        q, out = ATTENTION.captured
+        history = torch.cat([prompt, torch.tensor(result["tokens"])[:, :-1]], dim=1)   # what the last query saw
+        result["oracle"] = check_layer0(model, history, q, out, args.chunk_size, result["service"]["kv_cache_dtype"])
+        print("oracle: layer 0 of the last decode step over {keys} keys, relative error {rel_err:.2e} vs float64 "
+              "(bound {bound:g}): {verdict}".format(**result["oracle"], verdict="ok" if result["oracle"]["ok"] else "FAIL"))
+        status = max(status, 0 if result["oracle"]["ok"] else 1)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

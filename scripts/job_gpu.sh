@@ -12,6 +12,8 @@
 # MLP/projections, attention ~500 TFLOP/s per GPU (8K chunk onto 512K keys ~68 ms per layer on 2 GPUs), so a
 # full prefill costs ~2*L^2*4096*32 FLOP: 128K ~13 s on 1 GPU; 512K ~160 s on 1 GPU, ~90 s on 2; 1M ~600 s
 # (too long for one command) on 1 GPU, ~320 s on 2; plus ~30 s to start the job and build the model.
+# Full cpattn rows also check layer 0 of their last decode step against float64 over the whole context
+# (--oracle-check: its K/V recomputed from the ids, a few seconds even at 1M).
 # Rows "-synth" write random KV for all but the last 8K tokens (--synthetic-prefix): decode at that length and
 # whether it fits, in about a minute, without the prefill's time (their prefill tokens/s is of 8K tokens only).
 #
@@ -48,15 +50,15 @@ row_spec() {
     cpu-smoke)      echo "120|0|--device cpu --prompt-len 300 --chunk-size 64 --shards 2" ;;
     check)          echo "200|pytest|" ;;   # tests/gpu/test_long_context_job_gpu.py: 4 layers vs SDPA on 1 and 2 GPUs, the job on CUDA
     check32)        echo "150|check|--shards 1" ;;   # the full 32 layers vs SDPA (+ float32 floor), 2K prompt, 1 GPU
-    cp1-128k)       echo "70|0.5|--prompt-len $K128 --shards 1" ;;
-    cp2-128k)       echo "70|0.5|--prompt-len $K128 --shards 2" ;;
+    cp1-128k)       echo "70|0.5|--prompt-len $K128 --shards 1 --oracle-check" ;;
+    cp2-128k)       echo "70|0.5|--prompt-len $K128 --shards 2 --oracle-check" ;;
     sdpa-128k)      echo "80|1|--prompt-len $K128 --attn sdpa" ;;
-    cp1-512k)       echo "230|0.5|--prompt-len $K512 --shards 1" ;;
-    cp2-512k)       echo "150|0.5|--prompt-len $K512 --shards 2" ;;
+    cp1-512k)       echo "230|0.5|--prompt-len $K512 --shards 1 --oracle-check" ;;
+    cp2-512k)       echo "150|0.5|--prompt-len $K512 --shards 2 --oracle-check" ;;
     sdpa-512k)      echo "400|1|--prompt-len $K512 --attn sdpa" ;;
-    cp1fp8-1m)      echo "700|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3" ;;   # longer than one command
-    cp2-1m)         echo "380|0.5|--prompt-len $M --shards 2" ;;
-    cp2fp8-1m)      echo "380|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3" ;;
+    cp1fp8-1m)      echo "700|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # longer than one command
+    cp2-1m)         echo "380|0.5|--prompt-len $M --shards 2 --oracle-check" ;;
+    cp2fp8-1m)      echo "380|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;
     sdpa-1m)        echo "700|1|--prompt-len $M --attn sdpa" ;;
     cp1-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 1" ;;
     cp2-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 2" ;;

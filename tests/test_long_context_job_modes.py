@@ -57,6 +57,8 @@ def test_flags_that_cannot_work_are_refused_before_anything_starts(monkeypatch):
         _resolve(["--synthetic-prefix", "4096"])
     with pytest.raises(ConfigError, match="--synthetic-prefix writes random KV no model produced: drop --questions"):
         _resolve(["--synthetic-prefix", "1024", "--questions", "2"])
+    with pytest.raises(ConfigError, match="--oracle-check checks a decode step of a prefilled prompt on cpattn"):
+        _resolve(["--attn", "sdpa", "--oracle-check"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="use --dtype bfloat16 with --device cuda"):
         _resolve(["--device", "cuda", "--dtype", "float64"])
@@ -145,3 +147,26 @@ def test_check_comparison_passes_bf16_noise_and_fails_a_wrong_token():
     report = check.compare(wrong, sdpa, fp32)
     assert not report["ok"] and report["greedy_mismatches_not_near_tie"] == 1 and report["steps_over_bound"] == 1
     assert not check.compare(close + 1.0 * (torch.arange(1000) == 3), sdpa, None)["ok"]   # fixed bound, no floor
+
+
+def test_oracle_reference_streams_exact_softmax(monkeypatch):
+    oracle = _load("job_oracle")
+    monkeypatch.setattr(oracle, "KEY_SLICE", 7)   # many slices: the running max and rescaling are exercised
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 2, 30, 16, generator=gen), \
+        torch.randn(2, 2, 30, 16, generator=gen)
+    kk, vv = (x.double().repeat_interleave(2, dim=1) for x in (k, v))                  # GQA: 2 q heads per kv head
+    p = torch.softmax((q.double().unsqueeze(2) @ kk.transpose(-1, -2)).squeeze(2) * 16 ** -0.5, dim=-1)
+    expected = (p.unsqueeze(2) @ vv).squeeze(2)
+    assert torch.allclose(oracle.reference_attention(q, k, v), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_check_of_layer0_at_full_context(ray_session, tmp_path):
+    """--oracle-check: layer 0 of the last decode step, through the service (2 shards, PCP prefill), equals float64
+    attention over every key recomputed from the token ids; the JSON says so."""
+    job = _load("long_context_job")
+    out = tmp_path / "job.json"
+    assert job.main(["--prompt-len", "200", "--chunk-size", "64", "--max-new-tokens", "3", "--shards", "2",
+                     "--pcp-min-tokens", "48", "--oracle-check", "--json-out", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert result["oracle"]["ok"] and result["oracle"]["keys"] == 202 and result["oracle"]["rel_err"] < 1e-5

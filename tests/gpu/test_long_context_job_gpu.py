@@ -48,13 +48,14 @@ def test_cpattn_matches_sdpa_on_gpu(ray_session, tmp_path, shards):
 
 def test_job_runs_on_cuda_with_json(tmp_path):
     """The job as a user runs it: a subprocess with its own embedded Ray, 2 layers of the Llama-3-8B shape,
-    an 8K prompt in 2K chunks, 8 new tokens; the JSON has the table's numbers."""
+    an 8K prompt in 2K chunks, 8 new tokens; the JSON has the table's numbers, and layer 0's last decode step
+    matches float64 attention over the whole context (--oracle-check)."""
     out = tmp_path / "job.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "long_context_job.py"), "--device", "cuda", "--layers", "2",
          "--prompt-len", "8192", "--chunk-size", "2048", "--max-new-tokens", "8", "--json-out", str(out),
-         "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)))
+         "--oracle-check", "--no-progress"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)))
     assert result.returncode == 0, result.stderr[-3000:]
     job = json.loads(out.read_text())
     assert job["status"] == "ok" and len(job["tokens"][0]) == 8
@@ -62,3 +63,4 @@ def test_job_runs_on_cuda_with_json(tmp_path):
     assert job["prefill_tokens_per_s"] > 0 and job["decode_ms_per_token_median"] > 0
     assert sum(s["tokens"] for s in job["kv_per_shard"]) == 8192 + 7
     assert job["environment"]["gpu"]
+    assert job["oracle"]["ok"] and job["oracle"]["keys"] == 8192 + 6   # layer 0 vs float64 over every key
