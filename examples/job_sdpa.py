@@ -53,7 +53,7 @@ class SdpaLM:
                 k, v = torch.randn(2, self.batch, c.num_key_value_heads, n, head, generator=gen, device=self.device,
                                    dtype=dtype)
                 self.cache.update(k, v, layer)
-        self.position += num_tokens
+            self.position += n   # every layer holds these: running out of memory later reports the tokens held
 
     def kv_bytes(self) -> int:
         """Bytes the cache holds now (K and V of every layer)."""
