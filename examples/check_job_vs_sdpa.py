@@ -103,7 +103,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--gpus-per-shard", type=float, default=None,
-                   help="default: 0 on cpu; on cuda as long_context_job.py (0.5 in a Ray job holding half a GPU, else 1)")
+                   help="default: 0 on cpu; on cuda as long_context_job.py (0.5 in a Ray job holding half a GPU, "
+                        "else 1)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--backend", default="auto")
     p.add_argument("--no-fp32", action="store_true", help="skip the float32 floor (a fixed bound is used instead)")
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   chunk_size=args.chunk_size, shards=args.shards, backend=backend, local_shards=local, data_plane=wire,
                   kv_cache_dtype=args.kv_cache_dtype, sdpa_tokens=tokens.tolist(), wall_s=time.perf_counter() - t0)
     print(json.dumps({k: v for k, v in report.items() if k not in ("sdpa_tokens", "per_step_rel_diff_vs_sdpa")}))
-    print("check: cpattn matches SDPA within bf16 tolerance" if report["ok"] else "check: FAILED (see the numbers above)")
+    print("check: cpattn matches SDPA within bf16 tolerance" if report["ok"]
+          else "check: FAILED (see the numbers above)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1

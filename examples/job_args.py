@@ -69,7 +69,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="also run eager attention and fail unless tokens match")
     p.add_argument("--oracle-check", action="store_true",
                    help="check layer 0's attention of the last decode step against float64 over the whole context "
-                        "(its K/V recomputed from the token ids; cheap even at 1M tokens) and fail beyond bf16/fp8 error")
+                        "(its K/V recomputed from the token ids; cheap even at 1M tokens) and fail beyond bf16/fp8 "
+                        "error")
     p.add_argument("--json-out", default=None, help="write tokens, timings, config and versions as JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p

@@ -49,6 +49,9 @@ def random_model(config, seed: int, dtype: torch.dtype, device: torch.device | s
     torch.manual_seed(seed)   # seeds the CPU and every CUDA device
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
+    where = {p.device.type for p in model.parameters()}
+    if where != {torch.device(device).type}:   # a transformers version that builds elsewhere first: move it
+        model.to(device)
     return model.eval()
 
 

@@ -62,7 +62,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     return (acc / denom).view(b, hq, d)
 
 
-def check_layer0(model, history: torch.Tensor, q: torch.Tensor, out: torch.Tensor, chunk: int, cache_format: str) -> dict:
+def check_layer0(model, history: torch.Tensor, q: torch.Tensor, out: torch.Tensor, chunk: int,
+                 cache_format: str) -> dict:
     """``history`` [B, L]: every token the last decode step's query saw (itself last); q/out [B, Hq, D] as attend
     got and returned them."""
     k, v = layer0_kv(model, history, chunk)

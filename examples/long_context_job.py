@@ -40,9 +40,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # its sibling modules, however this file is loaded
 from job_args import parser, resolve  # noqa: E402
-from job_models import build_model, check_supported, describe, kv_bytes_per_token, tiny_llama_config, weight_bytes  # noqa: E402,F401
+from job_models import (build_model, check_supported, describe, kv_bytes_per_token,  # noqa: E402,F401
+                        tiny_llama_config, weight_bytes)
 from job_report import GIB, Progress, environment, peak_gpu_gib, phase_rates, summary_table  # noqa: E402
 from job_sdpa import SdpaLM  # noqa: E402
+
+from cpattn.errors import CpattnError  # noqa: E402
 
 ATTN_IMPLEMENTATION = "cpattn"
 # GPU memory the client needs beside the model and the KV of the shard on its GPU: an 8K-token chunk's
@@ -281,7 +284,10 @@ def run_cpattn(args, model, prompt, questions) -> dict:
         svc = cpattn.start(cfg)
     cfg = svc.config
     per_token = cfg.bytes_per_block() // cfg.block_size
-    kv_per_shard = lambda done: math.ceil(prompt.shape[0] * (done + args.synthetic_prefix) / cfg.num_shards) * per_token  # noqa: E731
+
+    def kv_per_shard(done: int) -> int:   # estimated locally: stats() would end a decode run
+        return math.ceil(prompt.shape[0] * (done + args.synthetic_prefix) / cfg.num_shards) * per_token
+
     forked = None
     try:
         backend = "{backend} ({kernel_version}, LSE base {lse_base})".format(**svc.info()["shards"][0])
@@ -395,7 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--questions forks one document: use --batch 1")
         questions = make_questions(model.config.vocab_size, args.questions, args.question_len, args.seed)
 
-    result = run_sdpa(args, model, prompt) if args.attn == "sdpa" else run_cpattn(args, model, prompt, questions)
+    try:
+        result = run_sdpa(args, model, prompt) if args.attn == "sdpa" else run_cpattn(args, model, prompt, questions)
+    except CpattnError as exc:   # refused (e.g. the KV does not fit): the row's JSON says why, the exit status too
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"status": "error", "error": str(exc), "config": vars(args)}))
+        raise
     result.setdefault("status", "ok")
     if result["status"] == "ok":
         print("generated:", result["tokens"])
@@ -419,8 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         q, out = ATTENTION.captured
         history = torch.cat([prompt, torch.tensor(result["tokens"])[:, :-1]], dim=1)   # what the last query saw
         result["oracle"] = check_layer0(model, history, q, out, args.chunk_size, result["service"]["kv_cache_dtype"])
+        verdict = "ok" if result["oracle"]["ok"] else "FAIL"
         print("oracle: layer 0 of the last decode step over {keys} keys, relative error {rel_err:.2e} vs float64 "
-              "(bound {bound:g}): {verdict}".format(**result["oracle"], verdict="ok" if result["oracle"]["ok"] else "FAIL"))
+              "(bound {bound:g}): {verdict}".format(**result["oracle"], verdict=verdict))
         status = max(status, 0 if result["oracle"]["ok"] else 1)
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -429,8 +441,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from cpattn.errors import CpattnError
-
     try:
         sys.exit(main())
     except CpattnError as exc:   # e.g. no room for the shards: one line saying what to change, not a traceback
