@@ -152,27 +152,6 @@ for row in "$@"; do
       submit "$row" "$how" "$left" $args ;;
   esac
 done
-# One file for all rows (the device hands back at most 8 files).
-$PY - "$ROWS_DIR" "$OUT/job_gpu_rows.json" "$@" <<'EOF'
-import json, sys
-from pathlib import Path
-rows_dir, out, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-rows = {}
-for name in names:
-    f = rows_dir / f"{name}.json"
-    rows[name] = json.loads(f.read_text()) if f.exists() else {"status": "not run"}
-old = json.loads(out.read_text()) if out.exists() else {}
-out.write_text(json.dumps({**old, **rows}, indent=1))
-for name, r in rows.items():
-    if "prefill_tokens_per_s" in r:
-        print(f"{name:<16} prefill {r['prefill_tokens']:>8} tok {r['prefill_s']:7.1f}s {r['prefill_tokens_per_s']:9.0f} tok/s"
-              f"  decode ms/token median {r['decode_ms_per_token_median']:.2f} mean {r['decode_ms_per_token_mean']:.2f}"
-              f"  KV/shard {r['kv_gib_per_shard']:.1f} GiB  {r.get('backend', '')}")
-    elif "ok" in r:
-        print(f"{name:<16} check ok={r['ok']} rel diff vs sdpa {r['max_rel_logit_diff_vs_sdpa']:.3g} "
-              f"mismatches {r['greedy_mismatches']} (not near tie {r['greedy_mismatches_not_near_tie']})")
-    else:
-        print(f"{name:<16} {r.get('status')} {r.get('oom', '')} rc={r.get('rc', '')}")
-print(f"rows: {out}")
-EOF
+# One JSON and one markdown table for all rows (the device hands back at most 8 files).
+$PY examples/job_rows.py "$ROWS_DIR" "$OUT/job_gpu_rows.json" "$@" | tee -a "$LOG"
 say "done"

@@ -170,3 +170,19 @@ def test_oracle_check_of_layer0_at_full_context(ray_session, tmp_path):
                      "--pcp-min-tokens", "48", "--oracle-check", "--json-out", str(out), "--no-progress"]) == 0
     result = json.loads(out.read_text())
     assert result["oracle"]["ok"] and result["oracle"]["keys"] == 202 and result["oracle"]["rel_err"] < 1e-5
+
+
+def test_rows_table_for_results(tmp_path):
+    rows = _load("job_rows")
+    ok = {"status": "ok", "attn": "cpattn", "service": {"num_shards": 2, "kv_cache_dtype": "bfloat16"},
+          "model": {"dtype": "bfloat16"}, "context_tokens": 1048576, "prefill_tokens": 1048576, "prefill_s": 300.0,
+          "prefill_tokens_per_s": 3495.25, "decode_ms_per_token_median": 25.5, "decode_ms_per_token_mean": 26.25,
+          "kv_gib_per_shard": 64.0, "oracle": {"rel_err": 0.0031}, "synthetic_prefix": 0}
+    (tmp_path / "cp2-1m.json").write_text(json.dumps(ok))
+    (tmp_path / "sdpa-1m.json").write_text(json.dumps({"status": "oom", "oom": "OOM at 917504 tokens"}))
+    assert rows.main([str(tmp_path), str(tmp_path / "all.json"), "cp2-1m", "sdpa-1m", "cp1-1m"]) == 0
+    table = (tmp_path / "all.md").read_text().splitlines()
+    assert table[2] == ("| cp2-1m | cpattn | 2 | bfloat16 | 1,048,576 | 1,048,576 | 300.0 | 3,495 | 25.50 (26.25) | 64.0 "
+                        "| 3.1e-03 | ok |")
+    assert table[3].endswith("| oom: OOM at 917504 tokens |") and table[4].endswith("| not run: rc= |")
+    assert set(json.loads((tmp_path / "all.json").read_text())) == {"cp2-1m", "sdpa-1m", "cp1-1m"}
