@@ -64,4 +64,4 @@ def test_job_runs_on_cuda_with_json(tmp_path):
     assert job["prefill_tokens_per_s"] > 0 and job["decode_ms_per_token_median"] > 0
     assert sum(s["tokens"] for s in job["kv_per_shard"]) == 8192 + 7
     assert job["environment"]["gpu"]
-    assert job["oracle"]["ok"] and job["oracle"]["keys"] == 8192 + 6   # layer 0 vs float64 over every key
+    assert job["oracle"]["ok"] and job["oracle"]["keys"] == 8192 + 7   # layer 0 vs float64 over every key
