@@ -17,8 +17,8 @@ GIB = 2**30
 class Progress:
     """One bar over prefill and decode tokens on stderr: tokens, tokens/s, KV per shard in GiB and ETA (tqdm's).
 
-    ``kv_per_shard(tokens_done)`` estimates the KV bytes one shard holds: counted locally, because asking the
-    service (stats()) would end a decode run."""
+    ``kv_per_shard(tokens_done)`` estimates the KV bytes one shard holds (None: not shown): counted locally,
+    because asking the service (stats()) would end a decode run. The postfix is refreshed at most twice a second."""
 
     def __init__(self, total: int, kv_per_shard, enabled: bool = True):
         from tqdm import tqdm
@@ -36,7 +36,7 @@ class Progress:
             self.phase = phase
             self.bar.set_description(phase)
         now = time.perf_counter()
-        if now - self.last_postfix > 0.5 or self.done >= self.bar.total:   # the postfix, at most twice a second
+        if self.kv_per_shard is not None and (now - self.last_postfix > 0.5 or self.done >= self.bar.total):
             self.last_postfix = now
             self.bar.set_postfix_str(f"KV/shard {self.kv_per_shard(self.done) / GIB:.2f} GiB", refresh=False)
         self.bar.update(tokens)

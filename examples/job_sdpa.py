@@ -16,8 +16,6 @@ class SdpaLM:
     """Same interface as CpattnLM (``forward``, ``position``, ``free``): the KV lives in a transformers
     DynamicCache on the model's device, attention is torch's scaled_dot_product_attention."""
 
-    kind = "sdpa"
-
     def __init__(self, model, batch: int):
         from transformers import DynamicCache
 

@@ -102,8 +102,6 @@ def make_questions(vocab_size: int, num_questions: int, length: int, seed: int) 
 class CpattnLM:
     """Runs a transformers causal LM with its attention on a cpattn service; one step per forward."""
 
-    kind = "cpattn"
-
     def __init__(self, model, service, batch: int, seq_ids: list[str] | None = None, position: int = 0):
         """``batch`` new sequences, or ``seq_ids`` that already hold ``position`` tokens each (forks)."""
         from transformers import AttentionInterface
@@ -155,8 +153,7 @@ def _sync(device: torch.device) -> None:
 def generate(lm, prompt: torch.Tensor, chunk_size: int, max_new_tokens: int, progress: bool | Progress = True):
     """Chunked prefill, then greedy decoding (``lm``: CpattnLM or SdpaLM). Returns (new tokens [B, max_new_tokens]
     on the CPU, timings: prefill_s, decode_s and decode_ms, the wall time of each decode step after the first)."""
-    bar = progress if isinstance(progress, Progress) else Progress(prompt.shape[1] + max_new_tokens, lambda _: 0,
-                                                                   enabled=progress)
+    bar = progress if isinstance(progress, Progress) else Progress(prompt.shape[1] + max_new_tokens, None, progress)
     device = getattr(lm, "device", torch.device("cpu"))
     t0 = time.perf_counter()
     for start in range(0, prompt.shape[1], chunk_size):
