@@ -24,7 +24,9 @@
 # GPUs: a cpattn row's entrypoint asks for half a GPU (--entrypoint-num-gpus 0.5); Ray's fractional GPUs are
 # best-fit, so the job's first shard (--gpus-per-shard 0.5, the job's default in such an entrypoint) takes the
 # other half of the job's GPU and is computed in the job's process (CUDA IPC), a second shard gets the other GPU
-# (NCCL). An SDPA row asks for a whole GPU. SUBMIT=ray uses Ray's own `ray job submit` instead of `cpattn submit`.
+# (NCCL). An SDPA row asks for a whole GPU. SUBMIT=ray uses Ray's own `ray job submit` instead of `cpattn submit`;
+# SUBMIT=direct (also taken when no job server answers) runs the job as a plain process with an embedded Ray:
+# then its shards take one GPU each, the first on GPU 0 where the model runs (the same placement).
 set -u
 cd "$(dirname "$0")/.."
 [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh   # staged packages; exports PYTHONPATH, which Ray's workers inherit
@@ -106,7 +108,11 @@ submit() {   # submit <row> <entrypoint GPUs> <seconds left> <job args...>
   local job=(python3 examples/long_context_job.py --max-new-tokens "$NEW" --no-progress --json-out "$json" "$@")
   [[ " $* " == *" --device cpu "* ]] || job+=(--device cuda --chunk-size 8192)
   local gpu_flag=(); [ "$gpus" != 0 ] && gpu_flag=(--entrypoint-num-gpus "$gpus")
-  if [ "$SUBMIT" = ray ]; then
+  if [ "$SUBMIT" = direct ]; then   # no job server: the job as a plain process with its own embedded Ray
+    say "python3 examples/long_context_job.py ${job[*]:2} (direct, embedded Ray)"
+    timeout -s INT "$left" env -u RAY_ADDRESS $PY "${job[@]:1}" >>"$LOG" 2>&1
+    local rc=$?
+  elif [ "$SUBMIT" = ray ]; then
     local auth=(); [ -f ~/.ray/auth_token ] && auth=(env RAY_AUTH_MODE=token)   # README: Ray's CLI needs it set
     say "${auth[*]} ray job submit --address $JOBS --submission-id $id ${gpu_flag[*]} --working-dir . -- ${job[*]}"
     timeout -s INT "$left" ${auth[@]+"${auth[@]}"} ray job submit --address "$JOBS" --submission-id "$id" \
@@ -146,7 +152,10 @@ for row in "$@"; do
         >>"$LOG" 2>&1
       say "$row: rc=$?" ;;
     *)
-      if [ $HEAD_UP -eq 0 ]; then start_head || break; HEAD_UP=1; fi
+      if [ $HEAD_UP -eq 0 ] && [ "$SUBMIT" != direct ]; then
+        start_head || { say "no job server: running the rows as plain processes (SUBMIT=direct)"; SUBMIT=direct; }
+        HEAD_UP=1
+      fi
       left=$(( BUDGET_S - $(date +%s) + T0 ))
       # shellcheck disable=SC2086
       submit "$row" "$how" "$left" $args ;;
