@@ -56,7 +56,8 @@ def test_job_runs_on_cuda_with_json(tmp_path):
         [sys.executable, str(EXAMPLES / "long_context_job.py"), "--device", "cuda", "--layers", "2",
          "--prompt-len", "8192", "--chunk-size", "2048", "--max-new-tokens", "8", "--json-out", str(out),
          "--oracle-check", "--no-progress"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)))
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))))   # + staged
     assert result.returncode == 0, result.stderr[-3000:]
     job = json.loads(out.read_text())
     assert job["status"] == "ok" and len(job["tokens"][0]) == 8
