@@ -37,7 +37,8 @@ def test_cuda_without_a_gpu_is_one_line_saying_what_to_change():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run([sys.executable, str(EXAMPLES / "long_context_job.py"), "--device", "cuda"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT,
-                            env=dict(env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=""))
+                            env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+                                     CUDA_VISIBLE_DEVICES=""))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "long_context_job: error: --device cuda: no CUDA device is visible to this process (torch.cuda.is_available() "
