@@ -9,27 +9,48 @@ With ``--questions N`` the prompt is a shared document: prefilled once, forked i
 they share its KV pages, nothing is copied or prefilled again), each gets its own question, and all N
 are decoded in one batch.
 
+With ``--device cuda`` the model (a Llama-3-8B shape with random weights built on the GPU, or ``--model DIR``)
+runs in bf16 on this process's GPU and hands q/k/v to the service as CUDA tensors: the shard on this GPU is
+computed in-process on its KV cache (CUDA IPC), shards on other GPUs are reached over NCCL. Nothing of the
+prompt's length is held on the GPU beyond the current chunk (the KV lives on the shards; only the last
+position's logits are computed). ``--attn sdpa`` runs the same model with transformers' SDPA and its own cache
+on one GPU instead: the baseline.
+
     python examples/long_context_job.py                              # tiny random Llama, embedded Ray
     python examples/long_context_job.py --questions 8                # one document, 8 questions, one batch
     python examples/long_context_job.py --model /path/to/llama      # local weights (no downloads)
     ray job submit --working-dir . -- python examples/long_context_job.py
     cpattn submit -- python examples/long_context_job.py --service cpattn   # attach to `cpattn serve`
+    ray job submit --entrypoint-num-gpus 0.5 --working-dir . -- python examples/long_context_job.py --device cuda \\
+        --prompt-len 1048576 --chunk-size 8192 --shards 2 --json-out /tmp/1m.json      # scripts/job_gpu.sh
 
 On the embedded default it produces exactly the tokens of the model's eager attention (--verify checks).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # its sibling modules, however this file is loaded
+from job_args import parser, resolve  # noqa: E402
+from job_models import (build_model, check_supported, describe, kv_bytes_per_token,  # noqa: E402,F401
+                        tiny_llama_config, weight_bytes)
+from job_report import GIB, Progress, environment, peak_gpu_gib, phase_rates, summary_table  # noqa: E402
+from job_sdpa import SdpaLM  # noqa: E402
+
+from cpattn.errors import CpattnError  # noqa: E402
+
 ATTN_IMPLEMENTATION = "cpattn"
+# GPU memory the client needs beside the model and the KV of the shard on its GPU: an 8K-token chunk's
+# activations (the MLP's [T, 14336] pair dominates), the attention partials and the kernels' workspace.
+CLIENT_HEADROOM_BYTES = 6 * GIB
 
 
 class StepAttention:
@@ -42,6 +63,8 @@ class StepAttention:
 
     def __init__(self):
         self.step = None
+        self.capture_layer: int | None = None   # --oracle-check: keep this layer's q and output of decode steps
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         if self.step is None:
@@ -56,34 +79,12 @@ class StepAttention:
         k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
         v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
         out = self.step.attend(module.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
+        if t == 1 and module.layer_idx == self.capture_layer:
+            self.captured = (q.clone(), out.clone())
         return out.view(b, t, hq, d), None
 
 
 ATTENTION = StepAttention()
-
-
-def tiny_llama_config(num_layers: int = 2, vocab_size: int = 256, max_positions: int = 32768):
-    """A small random Llama: 4 query heads, 2 KV heads (GQA), head size 16; nothing is downloaded."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=False)
-
-
-def build_model(model_path: str | None = None, seed: int = 0, num_layers: int = 2, dtype: str = "float32"):
-    """The eager-attention model: random tiny Llama from ``seed``, or local weights from ``model_path``."""
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    torch_dtype = getattr(torch, dtype)
-    if model_path:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="eager",
-                                                     local_files_only=True)
-    else:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM._from_config(tiny_llama_config(num_layers), attn_implementation="eager",
-                                              dtype=torch_dtype)
-    return model.eval()
 
 
 def make_prompt(vocab_size: int, length: int, batch: int, seed: int) -> torch.Tensor:
@@ -98,17 +99,6 @@ def make_questions(vocab_size: int, num_questions: int, length: int, seed: int) 
     return torch.randint(0, vocab_size, (num_questions, length), generator=gen)
 
 
-def check_supported(model_config) -> list[str]:
-    """What cpattn cannot run for this model (empty when it can)."""
-    reasons = []
-    if getattr(model_config, "sliding_window", None):
-        reasons.append(f"sliding_window={model_config.sliding_window}: cpattn attends to the whole history")
-    for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
-        if getattr(model_config, name, None):
-            reasons.append(f"{name}={getattr(model_config, name)}: custom softcap/scale are not supported yet")
-    return reasons
-
-
 class CpattnLM:
     """Runs a transformers causal LM with its attention on a cpattn service; one step per forward."""
 
@@ -119,15 +109,20 @@ class CpattnLM:
         AttentionInterface.register(ATTN_IMPLEMENTATION, ATTENTION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
+        self.device = next(model.parameters()).device
         self.svc = service
         self.seq_ids = seq_ids if seq_ids is not None else [service.add_sequence() for _ in range(batch)]
         self.position = position
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the last new token per row, [B, vocab]; the tokens' KV joins the service's cache."""
-        n = input_ids.shape[1]
-        positions = torch.arange(self.position, self.position + n).expand(input_ids.shape[0], n)
+        """Logits of the last new token per row, [B, vocab]; the tokens' KV joins the service's cache.
+
+        Only this forward's tokens are on the device: ids, positions and hidden states of the chunk, and the
+        logits of its last position (``logits_to_keep=1``: the [T, vocab] logits of a chunk are never made)."""
+        b, n = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(self.position, self.position + n, device=self.device).expand(b, n)
         with self.svc.step({sid: n for sid in self.seq_ids}) as step:
             ATTENTION.step = step
             try:
@@ -138,45 +133,60 @@ class CpattnLM:
         self.position += n
         return logits[:, -1]
 
+    def fill_random(self, num_tokens: int, seed: int) -> None:
+        """Random KV for the first ``num_tokens`` positions (``--synthetic-prefix``), written by the shards."""
+        for i, sid in enumerate(self.seq_ids):
+            self.svc.fill_synthetic(sid, num_tokens, seed=seed + i)
+        self.position += num_tokens
+
     def free(self) -> None:
         for sid in self.seq_ids:
             self.svc.free(sid)
         self.seq_ids = []
 
 
-def generate(lm: CpattnLM, prompt: torch.Tensor, chunk_size: int, max_new_tokens: int, progress: bool = True):
-    """Chunked prefill, then greedy decoding. Returns (new tokens [B, max_new_tokens], timings)."""
-    from tqdm import tqdm
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    bar = tqdm(total=prompt.shape[1] + max_new_tokens, unit="tok", desc="prefill", disable=not progress,
-               file=sys.stderr)
+
+def generate(lm, prompt: torch.Tensor, chunk_size: int, max_new_tokens: int, progress: bool | Progress = True):
+    """Chunked prefill, then greedy decoding (``lm``: CpattnLM or SdpaLM). Returns (new tokens [B, max_new_tokens]
+    on the CPU, timings: prefill_s, decode_s and decode_ms, the wall time of each decode step after the first)."""
+    bar = progress if isinstance(progress, Progress) else Progress(prompt.shape[1] + max_new_tokens, None, progress)
+    device = getattr(lm, "device", torch.device("cpu"))
     t0 = time.perf_counter()
     for start in range(0, prompt.shape[1], chunk_size):
         chunk = prompt[:, start:start + chunk_size]
         logits = lm.forward(chunk)
-        bar.update(chunk.shape[1])
+        bar.update(chunk.shape[1], "prefill")
+    _sync(device)
     t1 = time.perf_counter()
-    bar.set_description("decode")
-    tokens = []
+    tokens, decode_ms = [], []
     for i in range(max_new_tokens):
         next_tokens = logits.argmax(dim=-1, keepdim=True)
         tokens.append(next_tokens)
-        bar.update(1)
+        bar.update(1, "decode")
         if i + 1 < max_new_tokens:
+            t = time.perf_counter()
             logits = lm.forward(next_tokens)
+            _sync(device)   # a decode loop reads its token anyway: each step's time is its own
+            decode_ms.append(1e3 * (time.perf_counter() - t))
     t2 = time.perf_counter()
-    bar.close()
-    new_tokens = torch.cat(tokens, dim=1) if tokens else prompt[:, :0]
-    return new_tokens, {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+    if not isinstance(progress, Progress):
+        bar.close()
+    new_tokens = torch.cat(tokens, dim=1).cpu() if tokens else prompt[:, :0]
+    return new_tokens, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "decode_ms": decode_ms}
 
 
 @torch.no_grad()
 def eager_generate(model, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """The reference: transformers' own greedy generation with eager attention."""
     model.set_attn_implementation("eager")
+    prompt = prompt.to(next(model.parameters()).device)
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
-    return out[:, prompt.shape[1]:]
+    return out[:, prompt.shape[1]:].cpu()
 
 
 def ask_questions(lm_document: CpattnLM, document: torch.Tensor, questions: torch.Tensor, chunk_size: int,
@@ -211,12 +221,18 @@ def service_config(model_config, args, dtype: str, total_tokens: int):
         own = math.ceil((args.question_len + args.max_new_tokens) / args.shards / args.block_size) + 2
         blocks = math.ceil((total_tokens - args.question_len - args.max_new_tokens) / args.shards / args.block_size)
         blocks += args.questions * own + 2
+    # On GPUs: an 8K chunk onto 1M keys takes seconds per step and a remote shard's first kernels JIT-compile
+    # while holding its GIL, so the timeouts are those of benchmarks/cp_scaling.py.
+    slow = {"rpc_timeout_s": 600, "collective_timeout_s": 600, "shard_hang_timeout_s": 600} if args.device == "cuda" \
+        else {}
     return cpattn.ServiceConfig(
         num_shards=args.shards, num_layers=model_config.num_hidden_layers,
         num_q_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
         head_size=head_size, block_size=args.block_size, dtype=dtype, backend=args.backend,
-        num_blocks_per_shard=blocks, num_cpus_per_shard=args.cpus_per_shard, num_gpus_per_shard=args.gpus_per_shard,
+        kv_cache_dtype=args.kv_cache_dtype, num_blocks_per_shard=blocks, num_cpus_per_shard=args.cpus_per_shard,
+        num_gpus_per_shard=args.gpus_per_shard, device="cuda" if args.device == "cuda" else "auto",
         placement_strategy=args.placement_strategy, pcp_min_tokens=args.pcp_min_tokens,
+        max_tokens_per_step=max(16384, args.batch * args.chunk_size), **slow,
         name=f"cpattn-job-{os.getpid()}", ray_address=args.address or os.environ.get("RAY_ADDRESS") or None)
 
 
@@ -232,87 +248,49 @@ def check_geometry(svc_config, model_config, dtype: str) -> None:
             + ": serve one with matching fields (e.g. examples/service_local.yaml for the tiny model)")
 
 
-def summary_table(stats: dict, timings: dict, prompt_tokens: int, new_tokens: int, backend: str) -> str:
-    rows = [("prefill", prompt_tokens, timings["prefill_s"]), ("decode", new_tokens, timings["decode_s"])]
-    lines = [f"backend {backend}", f"{'phase':<8} {'tokens':>8} {'seconds':>9} {'tokens/s':>10}"]
-    for phase, n, s in rows:
-        lines.append(f"{phase:<8} {n:>8} {s:>9.3f} {n / s if s > 0 else float('nan'):>10.1f}")
-    lines.append("")
-    lines.append(f"{'shard':>5} {'node_ip':<15} {'device':<8} {'blocks':>7} {'tokens':>8} {'KV MiB':>8}")
-    for row in stats["shards"]:
-        lines.append(f"{row['rank']:>5} {str(row['node_ip']):<15} {str(row['device']):<8} {row['blocks_used']:>7} "
-                     f"{row['tokens']:>8} {row['bytes'] / 2**20:>8.3f}")
-    return "\n".join(lines)
+def check_gpu_memory(svc_config, model, args) -> None:
+    """Before any shard starts: the first shard lands on this process's GPU (job_args.default_gpus_per_shard), so
+    its KV must fit in what the model left free. Refuses, saying what to change, instead of a shard dying in its
+    constructor."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return
+    from cpattn.errors import ConfigError
+
+    free, _ = torch.cuda.mem_get_info(device)
+    kv = svc_config.blocks_per_shard() * svc_config.bytes_per_block()
+    if kv + CLIENT_HEADROOM_BYTES > free:
+        raise ConfigError(
+            f"the KV cache of one shard ({kv / GIB:.1f} GiB, {svc_config.kv_cache_format}) does not fit beside the "
+            f"model ({weight_bytes(model) / GIB:.1f} GiB) on this GPU: {free / GIB:.1f} GiB are free and the client "
+            f"needs ~{CLIENT_HEADROOM_BYTES / GIB:.0f} GiB for a chunk's activations; use --kv-cache-dtype fp8_e4m3 "
+            "(half the bytes), more shards on more GPUs (--shards 2 on 2 GPUs), or a shorter --prompt-len")
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: tiny random Llama)")
-    p.add_argument("--layers", type=int, default=2, help="layers of the tiny random model")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-len", type=int, default=2048, help="random prompt tokens (ignored with --prompt-file)")
-    p.add_argument("--prompt-file", default=None, help="text file to tokenize as the prompt (needs --model)")
-    p.add_argument("--batch", type=int, default=1, help="prompts decoded together, one cpattn sequence each")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk: tokens per forward / cpattn step")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--service", default=None, help="attach to this running service (`cpattn serve`) "
-                                                   "instead of starting one")
-    p.add_argument("--namespace", default="cpattn")
-    p.add_argument("--address", default=None, help="Ray cluster (default: RAY_ADDRESS, set by Ray Jobs; "
-                                                   "else an embedded local Ray)")
-    p.add_argument("--shards", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--cpus-per-shard", type=float, default=0.5)
-    p.add_argument("--gpus-per-shard", type=float, default=0.0)
-    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
-    p.add_argument("--pcp-min-tokens", type=int, default=128, help="prefill chunks this long split across shards")
-    p.add_argument("--questions", type=int, default=0, help="N > 0: the prompt is a document prefilled once and "
-                                                             "forked into N sequences, each with its own question")
-    p.add_argument("--question-len", type=int, default=16, help="random tokens of each question (--questions)")
-    p.add_argument("--verify", action="store_true", help="also run eager attention and fail unless tokens match")
-    p.add_argument("--json-out", default=None, help="write tokens and timings as JSON here")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_cpattn(args, model, prompt, questions) -> dict:
+    """The job on the cpattn service: started here (or attached with --service), prefilled, decoded, stopped."""
     import cpattn
-
-    model = build_model(args.model, args.seed, args.layers, args.dtype)
-    reasons = check_supported(model.config)
-    if reasons:
-        raise SystemExit("cpattn cannot run this model: " + "; ".join(reasons))
-    if args.prompt_file:
-        from transformers import AutoTokenizer
-
-        if not args.model:
-            raise SystemExit("--prompt-file needs --model (the tokenizer comes with the weights)")
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        with open(args.prompt_file) as f:
-            prompt = tokenizer(f.read(), return_tensors="pt").input_ids.expand(args.batch, -1)
-    else:
-        prompt = make_prompt(model.config.vocab_size, args.prompt_len, args.batch, args.seed)
-    questions = None
-    if args.questions:
-        if prompt.shape[0] != 1:
-            raise SystemExit("--questions forks one document: use --batch 1")
-        questions = make_questions(model.config.vocab_size, args.questions, args.question_len, args.seed)
 
     if args.service:
         svc = cpattn.connect(name=args.service, namespace=args.namespace, address=args.address)
         check_geometry(svc.config, model.config, args.dtype)
     else:
         total = prompt.shape[1] + args.max_new_tokens + (args.question_len if args.questions else 0)
-        svc = cpattn.start(service_config(model.config, args, args.dtype, total))
+        cfg = service_config(model.config, args, args.dtype, total)
+        check_gpu_memory(cfg, model, args)
+        svc = cpattn.start(cfg)
+    cfg = svc.config
+    per_token = cfg.bytes_per_block() // cfg.block_size
+
+    def kv_per_shard(done: int) -> int:   # estimated locally: stats() would end a decode run
+        return math.ceil(prompt.shape[0] * (done + args.synthetic_prefix) / cfg.num_shards) * per_token
+
     forked = None
     try:
         backend = "{backend} ({kernel_version}, LSE base {lse_base})".format(**svc.info()["shards"][0])
-        print(f"cpattn: {svc.config.num_shards} shards, {backend}; prompt {tuple(prompt.shape)}, "
-              f"chunks of {args.chunk_size}, {args.max_new_tokens} new tokens"
+        print(f"cpattn: {cfg.num_shards} shards, {backend}, KV {cfg.kv_cache_format}; prompt {tuple(prompt.shape)}"
+              f"{f' after {args.synthetic_prefix} random-KV tokens' if args.synthetic_prefix else ''}, chunks of "
+              f"{args.chunk_size}, {args.max_new_tokens} new tokens"
               + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else ""),
               file=sys.stderr, flush=True)
         lm = CpattnLM(model, svc, prompt.shape[0])
@@ -320,7 +298,21 @@ def main(argv: list[str] | None = None) -> int:
             new_tokens, timings, forked, stats = ask_questions(lm, prompt, questions, args.chunk_size,
                                                                args.max_new_tokens, not args.no_progress)
         else:
-            new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, not args.no_progress)
+            if args.synthetic_prefix:
+                t = time.perf_counter()
+                lm.fill_random(args.synthetic_prefix, args.seed)
+                print(f"cpattn: random KV of {args.synthetic_prefix} tokens written in {time.perf_counter() - t:.1f}s",
+                      file=sys.stderr, flush=True)
+            bar = Progress(prompt.shape[1] + args.max_new_tokens, kv_per_shard, not args.no_progress)
+            ATTENTION.capture_layer = 0 if args.oracle_check else None
+            try:
+                new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, bar)
+            except torch.cuda.OutOfMemoryError as exc:   # the client's GPU (model + chunk + the in-process shard)
+                print(f"cpattn: out of GPU memory at {lm.position} tokens ({str(exc).splitlines()[0]})")
+                return {"status": "oom", "oom_at_tokens": lm.position, "oom": f"OOM at {lm.position} tokens",
+                        "backend": backend}
+            finally:
+                bar.close()
             stats = svc.stats()
             lm.free()
     finally:
@@ -328,36 +320,124 @@ def main(argv: list[str] | None = None) -> int:
             svc.close()
         else:
             svc.shutdown()
-    prefilled = prompt.numel() + (0 if questions is None else questions.numel())
-    print(summary_table(stats, timings, prefilled, new_tokens.numel(), backend))
-    print("generated:", new_tokens.tolist())
     result = {"tokens": new_tokens.tolist(), "timings": timings, "backend": backend,
-              "kv_per_shard": [{k: r[k] for k in ("rank", "blocks_used", "tokens", "bytes")} for r in stats["shards"]]}
+              "service": {"num_shards": cfg.num_shards, "num_gpus_per_shard": cfg.num_gpus_per_shard,
+                          "kv_cache_dtype": cfg.kv_cache_format, "block_size": cfg.block_size,
+                          "pcp_min_tokens": cfg.pcp_min_tokens},
+              "kv_per_shard": [{k: r[k] for k in ("rank", "blocks_used", "tokens", "bytes")} for r in stats["shards"]],
+              "kv_gib_per_shard": max(r["bytes"] for r in stats["shards"]) / GIB}
+    print(summary_table(stats, timings, prompt.numel() + (0 if questions is None else questions.numel()),
+                        new_tokens.numel(), backend))
     if forked is not None:
         used = sum(r["blocks_used"] for r in forked["shards"])
-        separate = sum(r["tokens"] for r in forked["shards"]) / svc.config.block_size
+        separate = sum(r["tokens"] for r in forked["shards"]) / cfg.block_size
         print(f"shared document: {args.questions} forks hold {used} KV blocks over the shards "
               f"(separate sequences: about {separate:.0f})")
         result["forked_kv"] = [{k: r[k] for k in ("rank", "blocks_used", "blocks_shared", "tokens")}
                                for r in forked["shards"]]
+    return result
+
+
+def run_sdpa(args, model, prompt) -> dict:
+    """The baseline: transformers' SDPA with its DynamicCache on this device; running out of memory is a result
+    ("OOM at N tokens"), not a failure."""
+    lm = SdpaLM(model, prompt.shape[0])
+    per_token = prompt.shape[0] * kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    bar = Progress(prompt.shape[1] + args.max_new_tokens, lambda done: (done + args.synthetic_prefix) * per_token,
+                   not args.no_progress)
+    print(f"sdpa: one device ({lm.device}), transformers DynamicCache; prompt {tuple(prompt.shape)}, chunks of "
+          f"{args.chunk_size}, {args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
+    try:
+        if args.synthetic_prefix:
+            lm.fill_random(args.synthetic_prefix, args.seed)
+        new_tokens, timings = generate(lm, prompt, args.chunk_size, args.max_new_tokens, bar)
+    except torch.cuda.OutOfMemoryError as exc:
+        bar.close()
+        at = lm.position
+        lm.free()
+        torch.cuda.empty_cache()
+        print(f"sdpa: out of GPU memory at {at} tokens in the cache ({str(exc).splitlines()[0]})")
+        return {"status": "oom", "oom_at_tokens": at, "oom": f"OOM at {at} tokens", "backend": "sdpa"}
+    bar.close()
+    kv = lm.kv_bytes()
+    lm.free()
+    print(summary_table(None, timings, prompt.numel(), new_tokens.numel(), "sdpa (transformers DynamicCache)"))
+    print(f"KV in the cache: {kv / GIB:.2f} GiB on one device")
+    return {"tokens": new_tokens.tolist(), "timings": timings, "backend": "sdpa", "kv_gib_per_shard": kv / GIB}
+
+
+def parse_args(argv):
+    """The job's flags as given (job_args.parser); ``resolve`` fills the per-device defaults and checks them."""
+    return parser(__doc__.split("\n\n")[0]).parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve(parse_args(argv))
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    t = time.perf_counter()
+    model = build_model(args.model, args.seed, args.layers, args.dtype, device,
+                        attn="sdpa" if args.attn == "sdpa" else "eager")
+    _sync(device)
+    model_s = time.perf_counter() - t
+    reasons = check_supported(model.config)
+    if reasons and args.attn == "cpattn":
+        raise SystemExit("cpattn cannot run this model: " + "; ".join(reasons))
+    if args.prompt_file:
+        from transformers import AutoTokenizer
+
+        if args.model in (None, "tiny", "llama3-8b"):
+            raise SystemExit("--prompt-file needs --model DIR (the tokenizer comes with the weights)")
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        with open(args.prompt_file) as f:
+            prompt = tokenizer(f.read(), return_tensors="pt").input_ids.expand(args.batch, -1)
+    else:
+        prompt = make_prompt(model.config.vocab_size, args.prompt_len - args.synthetic_prefix, args.batch, args.seed)
+    questions = None
+    if args.questions:
+        if prompt.shape[0] != 1:
+            raise SystemExit("--questions forks one document: use --batch 1")
+        questions = make_questions(model.config.vocab_size, args.questions, args.question_len, args.seed)
+
+    try:
+        result = run_sdpa(args, model, prompt) if args.attn == "sdpa" else run_cpattn(args, model, prompt, questions)
+    except CpattnError as exc:   # refused (e.g. the KV does not fit): the row's JSON says why, the exit status too
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"status": "error", "error": str(exc), "config": vars(args)}))
+        raise
+    result.setdefault("status", "ok")
+    if result["status"] == "ok":
+        print("generated:", result["tokens"])
+        result.update(phase_rates(result["timings"], prompt.numel() + (0 if questions is None else questions.numel())))
+    result.update(attn=args.attn, model=describe(model, args.model or "tiny"), model_build_s=model_s,
+                  weights_gib=weight_bytes(model) / GIB, peak_gpu_gib=peak_gpu_gib(device),
+                  context_tokens=args.prompt_len if not args.prompt_file else prompt.shape[1],
+                  synthetic_prefix=args.synthetic_prefix, config=vars(args), environment=environment(device))
     status = 0
     if args.verify:
         full = prompt if questions is None else torch.cat([prompt.expand(questions.shape[0], -1), questions], dim=1)
         reference = eager_generate(model, full, args.max_new_tokens)
         result["eager_tokens"] = reference.tolist()
-        same = torch.equal(reference, new_tokens)
+        same = reference.tolist() == result["tokens"]
         print("verify: identical to eager attention" if same else
               f"verify: MISMATCH vs eager attention: {reference.tolist()}")
         status = 0 if same else 1
+    if args.oracle_check and result["status"] == "ok":
+        from job_oracle import check_layer0
+
+        q, out = ATTENTION.captured
+        history = torch.cat([prompt, torch.tensor(result["tokens"])[:, :-1]], dim=1)   # what the last query saw
+        result["oracle"] = check_layer0(model, history, q, out, args.chunk_size, result["service"]["kv_cache_dtype"])
+        verdict = "ok" if result["oracle"]["ok"] else "FAIL"
+        print("oracle: layer 0 of the last decode step over {keys} keys, relative error {rel_err:.2e} vs float64 "
+              "(bound {bound:g}): {verdict}".format(**result["oracle"], verdict=verdict))
+        status = max(status, 0 if result["oracle"]["ok"] else 1)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(result, f)
+            json.dump(result, f, indent=1)
     return status
 
 
 if __name__ == "__main__":
-    from cpattn.errors import CpattnError
-
     try:
         sys.exit(main())
     except CpattnError as exc:   # e.g. no room for the shards: one line saying what to change, not a traceback

@@ -55,6 +55,8 @@ def test_job_matches_eager_attention(tmp_path):
                                pad_token_id=0)[:, prompt_len:]
     assert job["tokens"] == eager.tolist()
     assert job["backend"].startswith("TORCH")
+    assert job["status"] == "ok" and job["attn"] == "cpattn" and job["prefill_tokens_per_s"] > 0
+    assert job["decode_ms_per_token_median"] > 0 and job["service"]["num_shards"] == 3
     # Every token's KV stayed on the service: (300 + 9 decoded) tokens per sequence over 3 shards.
     assert sum(s["tokens"] for s in job["kv_per_shard"]) == batch * (prompt_len + new - 1)
 

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--pip", action="append", default=[], metavar="REQ",
                         help="pip requirement installed in the job's runtime_env (repeatable)")
     submit.add_argument("--entrypoint-num-cpus", type=float, default=None, help="CPUs reserved for the entrypoint")
+    submit.add_argument("--entrypoint-num-gpus", type=float, default=None,
+                        help="GPUs reserved for the entrypoint (Ray sets its CUDA_VISIBLE_DEVICES); 0.5 leaves the "
+                             "other half of its GPU to a cpattn shard the job computes in-process")
     submit.add_argument("--submission-id", default=None, help="job id to use (default: generated)")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return without streaming")
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="command to run, after `--`")

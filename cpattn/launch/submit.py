@@ -48,7 +48,8 @@ def submit(args: argparse.Namespace) -> int:
     client = connect_job_server(args.address)
     try:
         job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=build_runtime_env(args),
-                                    submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus)
+                                    submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus,
+                                    entrypoint_num_gpus=args.entrypoint_num_gpus)
     except (RuntimeError, ValueError, OSError, ray_error()) as exc:
         raise ServiceError(f"the job server at {client.get_address()} refused the job: {_first_line(exc)}") from exc
     print(f"submitted job {job_id}", file=sys.stderr, flush=True)
