@@ -155,18 +155,28 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float,
-                 one_service: bool = False) -> list[dict]:
+@dataclass
+class Planned:
+    """One service to start and the cases measured on it."""
+    gpus: int
+    cases: list[Case]
+    layers: int
+    backends: dict[str, str]
+    config: object   # cpattn.ServiceConfig
+
+
+def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float,
+                  one_service: bool = False) -> list[Planned]:
     """One service of ``gpus`` shards (one GPU each) per case, sized for it (``one_service``: one for all the
-    cases, as --smoke does so that it runs in seconds); whole steps timed."""
+    cases, as --smoke does so that it runs in seconds)."""
     import cpattn
 
-    rows = []
     groups = [[c] for c in cases]
     if one_service:            # one service per KV format and window (service-wide settings)
         settings = list(dict.fromkeys((c.kv, c.window) for c in cases))
         groups = [[c for c in cases if (c.kv, c.window) == kw] for kw in settings]
-    for group in groups:
+    planned = []
+    for i, group in enumerate(groups):
         layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb) for c in group)
         backends = {c.name: usable_backend(c.backend, c) for c in group}
         blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2 + 8)) // gpus) // BLOCK + 2 * c.batch + 16
@@ -176,19 +186,52 @@ def service_rows(gpus: int, cases: list[Case], wanted_layers: int, repeats: int,
                                    block_size=BLOCK, dtype=str(DTYPE).removeprefix("torch."),
                                    backend=backends[group[0].name], device=DEVICE, num_gpus_per_shard=1 if gpu else 0,
                                    num_cpus_per_shard=1 if gpu else 0.25, num_blocks_per_shard=blocks,
-                                   name=f"cp-scaling-{gpus}", rpc_timeout_s=600, collective_timeout_s=600,
+                                   name=f"cp-scaling-{gpus}-{i}", rpc_timeout_s=600, collective_timeout_s=600,
                                    shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
                                    # one step of the case, whatever its size (the default caps steps at 16K)
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
                                    kv_cache_dtype=group[0].kv, sliding_window=group[0].window)
-        svc = cpattn.start(cfg)
-        try:
-            for case in group:
-                rows.append(_measure(svc, case, gpus, layers, repeats, backends[case.name]))
-                print(_fmt(rows[-1]), flush=True)
-        finally:
+        planned.append(Planned(gpus, group, layers, backends, cfg))
+    return planned
+
+
+def service_rows(planned: list[Planned], repeats: int, concurrent_starts: bool = False):
+    """Yields one row per case, whole steps timed. GPU services run one at a time (each may need every GPU);
+    ``concurrent_starts`` (--smoke, CPU shards) starts every service at once, as a start is mostly its actors'
+    process startup, then measures them one after another."""
+    import cpattn
+
+    if not concurrent_starts:
+        for p in planned:
+            svc = cpattn.start(p.config)
+            try:
+                yield from _rows(svc, p, repeats)
+            finally:
+                svc.shutdown()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(planned)) as pool:
+        futures = [pool.submit(cpattn.start, p.config) for p in planned]
+    services = []
+    try:
+        for future in futures:   # every start has finished (the pool's exit waited): collect them all, then raise
+            if future.exception() is None:
+                services.append(future.result())
+        for future in futures:
+            future.result()
+        for svc, p in zip(services, planned):
+            yield from _rows(svc, p, repeats)
+    finally:
+        for svc in services:
             svc.shutdown()
-    return rows
+
+
+def _rows(svc, p: Planned, repeats: int):
+    for case in p.cases:
+        row = _measure(svc, case, p.gpus, p.layers, repeats, p.backends[case.name])
+        print(_fmt(row), flush=True)
+        yield row
 
 
 def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str) -> dict:
@@ -268,15 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cp_scaling: Hq {HQ} Hk {HK} D {D} bf16, page {BLOCK}, up to {args.layers} layers per step; "
           f"ms/layer = step wall time / layers (means of {args.repeats} steps)")
     print(HEADER)
+    # One Ray for the whole run, started as cpattn.start would (an embedded local instance): a service's start
+    # then costs only its own actors, not a Ray start and shutdown each.
+    from cpattn.cluster.service import ensure_ray
+
+    ensure_ray(None, "cpattn", num_cpus_hint=max(map(int, args.gpus.split(","))) * (1 if gpu else 0.25))
     kernels = {c.name: (kernel_ms(c, usable_backend(c.backend, c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
                         else float("nan")) for c in cases}
+    planned = [p for gpus in map(int, args.gpus.split(","))
+               for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke)]
     rows = []
-    for gpus in map(int, args.gpus.split(",")):
-        for row in service_rows(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke):
-            row["kernel_ms"] = kernels[row["case"]]
-            row["speedup"] = row["kernel_ms"] / row["ms_per_layer"]
-            rows.append(row)
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    for row in service_rows(planned, args.repeats, concurrent_starts=args.smoke):
+        row["kernel_ms"] = kernels[row["case"]]
+        row["speedup"] = row["kernel_ms"] / row["ms_per_layer"]
+        rows.append(row)
+        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))   # every row as it comes: a long run
     print("\nsummary (x kern = one 1-GPU kernel call / service ms per layer):")
     print(HEADER)
     for r in rows:

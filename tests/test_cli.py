@@ -304,14 +304,17 @@ def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
     assert served.returncode == 0 and "cpattn service 'hog'" in served.stdout, served.stderr
     try:
         t0 = time.monotonic()
-        second = _run([*CLI, "serve", "--address", gcs, "--name", "second", *SMALL], env=env)
+        # A placement wait of 6 s instead of the default 20 s: two report lines (5 s apart) and the failure,
+        # 10 s sooner.
+        second = _run([*CLI, "serve", "--address", gcs, "--name", "second", *SMALL, "--placement-wait-s", "6"],
+                      env=env)
         took = time.monotonic() - t0
         waits = [line for line in second.stderr.splitlines() if line.startswith("cpattn: waiting to place")]
         assert second.returncode == 1 and took < 50, (took, second.stderr)
         assert waits and "missing 0.5 CPU (of 0.5 needed, 0 free); held by service 'hog' (namespace 'cpattn'): 4 CPU" \
             in waits[0], second.stderr
         error = second.stderr.strip().splitlines()[-1]
-        assert error.startswith("cpattn serve: error: could not place 2 shards of service 'second' within 20s") \
+        assert error.startswith("cpattn serve: error: could not place 2 shards of service 'second' within 6s") \
             and "stop service 'hog' (`cpattn stop --name hog`)" in error, second.stderr
         listed = _run([*CLI, "list", "--address", gcs],
                       env=dict(env, RAY_ADDRESS=f"127.0.0.1:{_free_port()}"))   # --address wins over RAY_ADDRESS
