@@ -12,6 +12,7 @@ import torch
 
 from cpattn.cluster.decode_run import client_steps, later_plans
 from cpattn.cluster.decode_run_plans import plan_decode_run
+from cpattn.cluster.messages import StepPlans
 from cpattn.cluster.step_planner import StepRequest, for_client, plan_step, table_gatherer
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 
@@ -77,9 +78,9 @@ def _check_run(n, block_size, interleave, replicas, lengths, num_steps, window):
         sent = later_plans(got, rank)
         _same(pickle.loads(pickle.dumps(sent)), [expected[j][rank] for j in range(1, num_steps)], f"later {rank}")
     first, later = client_steps(got, step_ids, local)
-    assert first["local_plans"].keys() == set(local)
-    want = [{"step_id": sid, "local_plans": {r: for_client(expected[j][r]) for r in local},
-             "remote_rows": {r: p.rows for r, p in enumerate(expected[j]) if r not in local and p.num_rows}}
+    assert first.local_plans.keys() == set(local)
+    want = [StepPlans(sid, {r: for_client(expected[j][r]) for r in local},
+                      {r: p.rows for r, p in enumerate(expected[j]) if r not in local and p.num_rows})
             for j, sid in enumerate(step_ids)]
     _same([first, *pickle.loads(pickle.dumps(later))], want, "client steps")
     assert len(pickle.dumps(later_plans(got, 0))) < 4096 + 200 * num_steps * len(lengths) + 8 * got[0][0].metadata.block_table_tensor.numel()
