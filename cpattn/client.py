@@ -125,7 +125,7 @@ class Service:
     def fill_synthetic(self, seq_id: str, num_tokens: int, seed: int = 0) -> int:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
 
-        The KV written is ``cpattn.cluster.shard.synthetic_kv(seed, layer, 0, num_tokens, Hk, D, device)`` (the
+        The KV written is ``cpattn.cluster.shard_kv.synthetic_kv(seed, layer, 0, num_tokens, Hk, D, device)`` (the
         fill's tokens in order, drawn on the shards' device).
         """
         self._check_open()

@@ -156,7 +156,7 @@ class Reliability(FieldGroup):
     the longest GIL-holding pause (a kernel JIT compile takes seconds); a dead shard is seen at once."""
     join_timeout_s: float = _seconds(20.0)
     """A shard gives up on a data-plane join whose handshake (the client's rendezvous) has not finished within
-    this, freeing its thread; a client joins at most two groups at once per shard (shard.MAX_JOINS_PER_CLIENT)."""
+    this, freeing its thread; a client joins at most two groups at once per shard (shard_groups.MAX_JOINS_PER_CLIENT)."""
     test_hooks: bool = False
     """Serve test-only remote methods (shard.simulate_hang, which makes a shard look hung). Only the test suite
     sets it; off, those methods refuse every caller."""

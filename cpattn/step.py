@@ -18,6 +18,7 @@ import torch
 from cpattn.cluster.data_plane import CMD_ATTEND, WireError
 from cpattn.cluster.rpc import call as _call
 from cpattn.errors import CpattnError, IncompleteStepError, InvalidRequestError, ServiceError
+from cpattn.step_inputs import check_layer, check_qkv, checked_sinks
 
 if TYPE_CHECKING:
     from cpattn.cluster.client_run import BegunStep
@@ -104,7 +105,7 @@ class Step:
             raise InvalidRequestError("attend() from a thread other than the one that opened the step: a client "
                                       "serves one thread (give each thread its own cpattn.connect())")
         self._validate(layer, q, k, v)
-        sinks = self._validate_sinks(sinks)
+        sinks = checked_sinks(self._gw.config, sinks, self._gw.device)
         for _ in range(MAX_RECOVERIES + 1):
             try:
                 out = self._wire_attend(layer, q, k, v, sinks)
@@ -182,56 +183,10 @@ class Step:
 
     def _validate(self, layer, q, k, v) -> None:
         cfg = self._gw.config
-        t, hq, hk, d = self.num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cfg.num_layers:
-            raise InvalidRequestError(f"layer {layer!r} out of range: use an int in 0..{cfg.num_layers - 1}")
-        if layer in self._attended:
-            raise InvalidRequestError(f"layer {layer} was already attended in this step: each layer once per step")
-        if self._gw.runs_ahead and layer != len(self._attended):
-            # Shards reached over NCCL enqueue the step's layers in order without waiting for each message.
-            raise InvalidRequestError(f"layer {layer} attended before layer {len(self._attended)}: with shards reached "
-                                      "over NCCL a step attends its layers in order 0, 1, ... (as a model runs them)")
-        for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
-            if not isinstance(x, torch.Tensor):
-                raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.layout != torch.strided:   # sparse tensors failed later with NotImplementedError
-                raise InvalidRequestError(f"{name} is a {x.layout} tensor: pass a dense one ({name}.to_dense())")
-            if tuple(x.shape) != (t, heads, d):
-                raise InvalidRequestError(f"{name} has shape {tuple(x.shape)}, expected {(t, heads, d)} "
-                                          f"(T = {t} new tokens in this step, heads, head_size)")
-            if x.dtype != cfg.torch_dtype:
-                raise InvalidRequestError(f"{name} has dtype {x.dtype}, the service runs {cfg.dtype}: "
-                                          f"convert with .to(torch.{cfg.dtype})")
-            if x.device != q.device:
-                raise InvalidRequestError(f"{name} is on {x.device} but q is on {q.device}: put q, k, v on one device")
-            if x.device.type not in ("cpu", "cuda"):
-                # meta/other devices hold no data to send: they would fail deep inside the data plane.
-                raise InvalidRequestError(f"{name} is on {x.device}: q, k and v must be CPU or CUDA tensors")
-        if cfg.nan_policy != "reject" or self._wire.norms is not None:
-            # On a CUDA gateway the check is one reduction per layer, read once at the end of the step (a read
-            # here would stall the GPU every layer); a step that had NaN/inf is rolled back there.
-            return
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not bool(torch.isfinite(x).all()):
-                raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
-                                          "(set nan_policy='allow' to accept them)")
-
-    def _validate_sinks(self, sinks) -> torch.Tensor | None:
-        if sinks is None:
-            return None
-        hq = self._gw.config.num_q_heads
-        if isinstance(sinks, torch.Tensor) and sinks.layout != torch.strided:   # torch.isfinite would raise untyped
-            raise InvalidRequestError(f"sinks is a {sinks.layout} tensor: pass a dense one (sinks.to_dense())")
-        if isinstance(sinks, torch.Tensor) and sinks.device.type not in ("cpu", "cuda"):
-            raise InvalidRequestError(f"sinks is on {sinks.device}: sinks must be a CPU or CUDA tensor")
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            raise InvalidRequestError(f"sinks must be a tensor [num_q_heads={hq}] of sink logits, got {shape}")
-        if not sinks.is_floating_point() or not bool(torch.isfinite(sinks).all()):
-            raise InvalidRequestError("sinks must be finite floating-point logits, one per query head "
-                                      "(pass sinks=None for a layer without sinks)")
-        return sinks.detach().to(self._gw.device, torch.float64 if self._gw.config.dtype == "float64"
-                                 else torch.float32)
+        check_layer(cfg, layer, self._attended, in_order=self._gw.runs_ahead)
+        # On a CUDA gateway the NaN/inf check is one reduction per layer, read once at the end of the step (a read
+        # here would stall the GPU every layer); a step that had NaN/inf is rolled back there.
+        check_qkv(cfg, self.num_tokens, q, k, v, check_finite=cfg.nan_policy == "reject" and self._wire.norms is None)
 
     def _close(self, state: str) -> None:
         self._state = state

@@ -17,7 +17,8 @@ import cpattn
 from conftest import service_config
 from cpattn.cluster import authority
 from cpattn.cluster.coordinator import Coordinator
-from cpattn.cluster.shard import MAX_JOINS_PER_CLIENT, RemoteShard, ShardWorker
+from cpattn.cluster.shard import RemoteShard, ShardWorker
+from cpattn.cluster.shard_groups import MAX_JOINS_PER_CLIENT
 from cpattn.errors import AccessDeniedError, CapacityError, ServiceError
 from reliability_common import RPC_S, current_shards
 from service_oracle import Oracle, run_step

@@ -409,7 +409,7 @@ def test_joins_that_never_finish_cannot_hold_the_shards_threads(ray_session):
     the admitted ones give their thread back after join_timeout_s, and meanwhile the shard's default group, the
     health check and another client's steps go on: nothing is declared hung or replaced."""
     from cpattn.cluster.netstore import make_bound_store
-    from cpattn.cluster.shard import MAX_JOINS_PER_CLIENT
+    from cpattn.cluster.shard_groups import MAX_JOINS_PER_CLIENT
 
     cfg = service_config(num_shards=2, max_open_steps=1, health_check_interval_s=0.2, shard_hang_timeout_s=1.0,
                          rpc_timeout_s=RPC_S, collective_timeout_s=10.0, join_timeout_s=2.0)

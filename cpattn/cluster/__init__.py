@@ -5,16 +5,17 @@ Which process runs each file (a file in two columns is shared code, imported by 
     client process (cpattn.start / connect,    coordinator actor                shard actors (one per shard)
     the `cpattn` commands)
     ---------------------------------------    -----------------------------    -----------------------------
-    service.py      start, find, stop          coordinator.py  remote methods   shard.py        the actor
-    reach.py        reaching a cluster         coordinator_sequences.py         fencing.py      old steps fenced
-    placement_wait.py  a start, out loud         (its sequence methods)         layer_runner.py per-layer work
-    gateway.py      steps, data plane, rejoin  client_registry.py  clients      decode_graphs.py  CUDA graphs
-    client_run.py   decode runs (RunControl)   sequence_table.py   sequences    data_plane.py   the wire
-    client_graphs.py  the layer as a graph     open_steps.py   open steps       netbind.py      bind address
-    client_device.py  device, wire, IPC        step_ledger.py  a step's life    messages.py     typed replies
-    netstore.py     the group's rendezvous     generations.py  epoch, restarts
-    lease.py        heartbeat (LeaseKeeper)    decode_run.py   decode runs
-    page_delta.py   pages held (PageCache)     prefix_sharing.py  share tokens
+    service.py      start, find, stop          coordinator.py  remote methods   shard.py        the actor, a step
+    reach.py        reaching a cluster         coordinator_sequences.py         shard_kv.py     whole KV pages
+    placement_wait.py  a start, out loud         (its sequence methods)         shard_groups.py data-plane groups
+    gateway.py      steps, the wire            client_registry.py  clients      shard_graphs.py  a step as a graph
+    client_group.py   join, leave, rejoin      sequence_table.py   sequences    fencing.py      old steps fenced
+    client_run.py   decode runs, one step      open_steps.py   open steps       layer_runner.py per-layer work
+    client_graphs.py  the layer as a graph     step_ledger.py  a step's life    decode_graphs.py  CUDA graphs
+    client_device.py  device, wire, IPC        generations.py  epoch, restarts  data_plane.py   the wire
+    netstore.py     the group's rendezvous     decode_run.py   decode runs      netbind.py      bind address
+    lease.py        heartbeat (LeaseKeeper)    decode_run_plans.py  their plans messages.py     typed replies
+    page_delta.py   pages held (PageCache)     prefix_sharing.py  share tokens  authority.py    who may call
     layer_runner.py, decode_graphs.py          step_planner.py  plans
                     shards on the client's     step_outcome.py  end_step reply
                     GPU (CUDA IPC)             shard_recovery.py, recovery.py
@@ -23,10 +24,11 @@ Which process runs each file (a file in two columns is shared code, imported by 
     messages.py     typed replies              lease.py        lease rules
                                                page_delta.py   deltas sent
                                                rpc.py, ids.py, messages.py
-                                               authority.py    (also checked by the shards)
+                                               authority.py    (also the shards')
 
-A map rather than client/, coordinator/, shard/ subpackages for now: the decode work in flight this session
-(issue 18) moves gateway.py, shard.py, step planning and the wire between these processes; the layout
-follows once that settles, and a file that moves column then changes one line here, not its import path.
+A map rather than client/, coordinator/, shard/ subpackages: a file that moves column changes one line here,
+not its import path (the decode work of issue 18 moved several). Mixins that split a large actor or client
+class by concern keep that class's name: ShardWorker = ShardKVPages + ShardGroups + the step loop; Gateway =
+GroupMembership + RunControl + a step's wire; Coordinator = SequenceMethods + the rest.
 attention/ and kvstore/ below this package never import Ray; nothing here imports launch/.
 """

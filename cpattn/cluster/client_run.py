@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
 from cpattn.cluster.messages import EndStepReply, StepPlans
 from cpattn.cluster.rpc import call
-from cpattn.errors import ServiceError, ShardLostError
+from cpattn.errors import InvalidRequestError, ServiceError, ShardLostError
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,8 @@ class RunReaper(threading.Thread):
 
 
 class RunControl:
-    """The Gateway's decode-run methods (a mixin: they use its run, lock, plane, device and coordinator calls)."""
+    """The Gateway's decode-run methods and its one-open-step guard, which an idle run's RunReaper shares (a mixin:
+    they use its run, locks, plane, device and coordinator calls)."""
 
     def end_run(self) -> None:
         """Leave the decode run: its commits read, its shards told END, the steps not run given back."""
@@ -228,3 +229,24 @@ class RunControl:
                     and not self.plane_broken):
                 self.plane.send_run_header(CMD_END, index + 1, step_id + 1, run.num_tokens, self.device)
             return self.end_step(run.first_step_id, commit, why, done)
+
+    # One open step per client (the RunReaper's mark is none) ----------------------------------------------------
+    def claim(self, step) -> None:
+        """One open step per client, atomically: a second thread or a nested step is rejected."""
+        with self._guard:
+            if not self._reaped.wait_for(lambda: self.open_step is not _REAPING, self.config.rpc_timeout_s):
+                raise ServiceError(f"this client's idle decode run did not finish ending within rpc_timeout_s="
+                                   f"{self.config.rpc_timeout_s:g}s (its shards are slow or gone): retry the step")
+            self.check_no_open_step()
+            self.open_step = step
+
+    def check_no_open_step(self) -> None:
+        # The RunReaper ending an idle run is not a step: claim() waits for it.
+        if self.open_step is not None and self.open_step is not _REAPING:
+            raise InvalidRequestError("a step is already open on this client: finish it first; a client serves one "
+                                      "thread and one step at a time (use a second client for concurrent steps)")
+
+    def release(self, step) -> None:
+        with self._guard:
+            if self.open_step is step:
+                self.open_step = None

@@ -22,26 +22,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
-from cpattn.attention import select_backend
 from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.client_graphs import ClientLayerGraphs
-from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, client_device, open_shared_cache
-from cpattn.cluster.client_run import (_REAPING, FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit,
-                                       RunControl, RunReaper)
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, create_group, partial_tag
+from cpattn.cluster.client_device import choose_data_plane, client_device
+from cpattn.cluster.client_group import GroupMembership
+from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit, RunControl,
+                                       RunReaper)
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.lease import LeaseKeeper
-from cpattn.cluster.messages import EndStepReply, Rejoin, ShardInfo, StepPlans
-from cpattn.cluster.netbind import bind_address
-from cpattn.cluster.netstore import make_bound_store
+from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, InvalidRequestError, ServiceError
+from cpattn.errors import CpattnError
 
 logger = logging.getLogger("cpattn")
 
@@ -70,7 +67,7 @@ class StepWire:
         return self.norms is not None and not bool(torch.isfinite(self.norms).all())
 
 
-class Gateway(RunControl):
+class Gateway(RunControl, GroupMembership):
     """One client's side of the service. Its ``client_id`` is public (group names, stats); its ``credential``
     is the secret every coordinator call proves; a LeaseKeeper thread keeps the client alive between calls."""
 
@@ -112,10 +109,6 @@ class Gateway(RunControl):
             self.lease.stop()   # the lease lapses and the coordinator reclaims this half-made client
             raise
 
-    @property
-    def group_name(self) -> str:
-        return f"{self.client_id}-e{self.epoch}-g{self._generation}"
-
     # Coordinator calls ---------------------------------------------------------------------------
     def call(self, method: str, *args, timeout_s: float | None = None):
         """A coordinator call proving this client's credential, after its previous commit was confirmed (and
@@ -154,118 +147,6 @@ class Gateway(RunControl):
         from cpattn.step import finish_deferred_commit
 
         finish_deferred_commit(self, pending)
-
-    # Data plane ----------------------------------------------------------------------------------
-    def join(self) -> None:
-        """(Re)build: open the local shards' caches, then one group with the remote shards (rank 0 is us)."""
-        cfg = self.config
-        current = call(self.coordinator.get_shards.remote(self.credential), cfg.rpc_timeout_s, "get_shards")
-        self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
-        self._generation += 1   # a fresh group name on every (re)join
-        self.plane_broken = False
-        self.pages.clear()      # a new epoch may have refilled shards: whole block tables again
-        self._ticket = call(self.coordinator.group_ticket.remote(self.credential, self.group_name),
-                            cfg.rpc_timeout_s, "group_ticket")   # proves this client's joins to the shards
-        local_ranks = self._local_ranks(infos)
-        self.local, self.local_graphs = {}, {}
-        for rank in local_ranks:
-            handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
-                           "export_kv")
-            backend = select_backend(cfg, self.device, backend=infos[rank].backend)
-            try:
-                # Every layer's cache, then (fp8) every layer's page scales: pages belong to one sequence, so this
-                # client growing its pages' scales never touches another client's (cpattn/kvstore/fp8.py).
-                shared = [open_shared_cache(h, self.device) for h in handles]
-                caches, scales = shared[:cfg.num_layers], shared[cfg.num_layers:] or None
-            except RuntimeError as exc:
-                raise ServiceError(f"could not open shard {rank}'s KV cache on {self.device} by CUDA IPC ({exc}): "
-                                   "run the client where the shard's GPU is visible, or set local_shards='off' "
-                                   "to reach every shard over the data plane") from exc
-            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device, scales)
-            self.local_graphs[rank] = self.local[rank].new_graphs()
-        self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
-        self.plane = None
-        if self.remote:
-            backend = choose_data_plane(cfg, self.device, [infos[r] for r in self.remote])
-            world = len(self.remote) + 1
-            # The store and this rank's device on the node IP (or data_plane_interface's address), never on
-            # whatever the hostname resolves to (netbind).
-            host, interface = bind_address(ray.util.get_node_ip_address(), cfg.data_plane_interface)
-            store = make_bound_store(host, world, cfg.collective_timeout_s)   # listens on that address only
-            joins = [self.shards[r].join_group.remote(self.group_name, host, store.port, i + 1, world, backend,
-                                                      self._ticket)
-                     for i, r in enumerate(self.remote)]
-            try:
-                group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s,
-                                     bind_ip=host, interface=interface,
-                                     explicit_interface=bool(cfg.data_plane_interface))
-            except CpattnError:
-                # The shards' joins fail as ours did, within their own deadline: collect them (unread errors get
-                # logged by Ray as unhandled) and report ours, which names the addresses.
-                ready, _ = ray.wait(joins, num_returns=len(joins), timeout=cfg.collective_timeout_s)
-                for ref in ready:
-                    try:
-                        ray.get(ref, timeout=0)
-                    except Exception:   # the same failure, seen from that shard
-                        pass
-                raise
-            call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
-            self._store = store   # the store must outlive the group
-            self.plane = DataPlane(group, 0, world, backend)
-        self.client_graphs = ClientLayerGraphs(self) if ClientLayerGraphs.supported(self) else None
-        logger.info("cpattn client %s: %d local shard(s) on %s, %d over %s", self.client_id, len(self.local),
-                    self.device, len(self.remote), self.plane.backend if self.plane else "no wire")
-
-    def _local_ranks(self, infos: list[ShardInfo]) -> list[int]:
-        # A detached service's coordinator can restart mid-step; shards fence the old incarnation's writes,
-        # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
-        if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
-            return []
-        node = ray.get_runtime_context().get_node_id()
-        mine = _gpu_uuid(self.device)
-        return [r for r, i in enumerate(infos) if i.gpu_uuid == mine and i.node_id == node]
-
-    def leave(self) -> None:
-        old, ticket = self.group_name, self._ticket
-        if self.client_graphs is not None:   # graphs holding NCCL work go before their communicator (else abort hangs)
-            self.client_graphs.release()
-            self.client_graphs = None
-        if self.plane is not None:
-            self.plane.close()
-            self.plane = None
-        for r in self.remote:
-            try:
-                self.shards[r].leave_group.remote(old, ticket)
-            except Exception:
-                pass
-        self.local, self.local_graphs = {}, {}   # drops the IPC mappings (and graphs reading them)
-        self.client_graphs = None
-
-    def rejoin(self) -> None:
-        """After a shard was replaced or a collective failed: drop the group and the mappings, join again."""
-        self.leave()
-        self.join()
-
-    # One step ------------------------------------------------------------------------------------
-    def claim(self, step) -> None:
-        """One open step per client, atomically: a second thread or a nested step is rejected."""
-        with self._guard:
-            if not self._reaped.wait_for(lambda: self.open_step is not _REAPING, self.config.rpc_timeout_s):
-                raise ServiceError(f"this client's idle decode run did not finish ending within rpc_timeout_s="
-                                   f"{self.config.rpc_timeout_s:g}s (its shards are slow or gone): retry the step")
-            self.check_no_open_step()
-            self.open_step = step
-
-    def check_no_open_step(self) -> None:
-        # The RunReaper ending an idle run is not a step: claim() waits for it.
-        if self.open_step is not None and self.open_step is not _REAPING:
-            raise InvalidRequestError("a step is already open on this client: finish it first; a client serves one "
-                                      "thread and one step at a time (use a second client for concurrent steps)")
-
-    def release(self, step) -> None:
-        with self._guard:
-            if self.open_step is step:
-                self.open_step = None
 
     def committed(self, timings: dict[str, float], report: EndStepReply, earlier: list[dict] = ()) -> None:
         """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported;

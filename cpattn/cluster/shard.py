@@ -2,7 +2,8 @@
 
 A plain class; ``ray.remote`` is applied where the group is created, so it is testable without Ray.
 Per step it receives one ShardStepPlan (metadata planned once, reused by every layer), then
-serves layers from its data-plane group until the gateway says commit or abort.
+serves layers from its data-plane group until the gateway says commit or abort. Its methods on whole KV
+pages (refill, CUDA IPC export, synthetic fill) are in shard_kv.py, on its data-plane groups in shard_groups.py.
 """
 
 from __future__ import annotations
@@ -15,63 +16,26 @@ import time
 
 import torch
 
-from cpattn.attention import select_backend, write_kv_cache
+from cpattn.attention import select_backend
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.shard_graphs import ShardStepGraphs
-from cpattn.cluster.data_plane import (CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, connect_group,
-                                       partial_tag)
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, partial_tag
 from cpattn.cluster.fencing import StepFence
+from cpattn.cluster.shard_groups import ShardGroups
+from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
-from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
-from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, ServiceError, StepFencedError
-from cpattn.kvstore import copy_pages
-from cpattn.kvstore.fp8 import PageScaleWrites, dequantize, fp8_dtype, initial_page_scales, is_fp8, page_scales_of, quantize
+from cpattn.errors import CpattnError
+from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
 
 logger = logging.getLogger("cpattn.shard")
 
 
-SYNTHETIC_CHUNK = 1 << 16
-# Data-plane joins a shard runs at once: per client (a client joins one group at a time; two lets a rejoin
-# overlap a join still timing out), and in all (half of shard_set.SHARD_THREAD_HEADROOM), so joins that never
-# finish their handshake can never take the threads open steps need.
-MAX_JOINS_PER_CLIENT = 2
-MAX_JOINS_IN_FLIGHT = 8
-
-
-def synthetic_kv(seed: int, layer: int, start: int, num_tokens: int, num_kv_heads: int, head_size: int,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [T, Hk, D] float32 of tokens [start, start + T) that fill_synthetic writes for one layer.
-
-    Drawn in fixed chunks of SYNTHETIC_CHUNK tokens (each seeded by seed, layer, chunk), so every shard
-    draws the same values on the same device kind, and memory stays bounded for million-token fills.
-    """
-    if start % SYNTHETIC_CHUNK:
-        raise ValueError(f"start {start} must be a multiple of {SYNTHETIC_CHUNK}")
-    parts = []
-    for c in range(start, start + num_tokens, SYNTHETIC_CHUNK):
-        n = min(SYNTHETIC_CHUNK, start + num_tokens - c)
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer * 10_007 + c // SYNTHETIC_CHUNK)
-        parts.append(torch.randn(2, n, num_kv_heads, head_size, generator=gen, device=device))
-    kv = torch.cat(parts, dim=1)
-    return kv[0], kv[1]
-
-
-def _node_ip() -> str:
-    """This node's IP as Ray knows it (loopback when used as a plain class, without a Ray worker)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return "127.0.0.1"
-
-
-class ShardWorker:
+class ShardWorker(ShardKVPages, ShardGroups):
     def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None,
                  secret: str | None = None, ready: bool = True, operator_digest: str | None = None):
         self.config = config
@@ -172,111 +136,6 @@ class ShardWorker:
         """Test hook: stop answering pings and data-plane traffic, as a wedged process would."""
         self._hang = hang
 
-    def kv_checksum(self, secret: str | None = None) -> float:
-        """Sum of |KV| over every layer, a cheap fingerprint for 'nothing changed' checks (an fp8 cache's real,
-        dequantised values, so a replacement holding the same values under other scales sums the same)."""
-        if self.kv_scales is None:
-            return float(sum(t.double().abs().sum() for t in self.kv_caches))
-        return float(sum(dequantize(t, s[:, :, None, :, None], torch.float64).abs().sum()
-                         for t, s in zip(self.kv_caches, self.kv_scales)))
-
-    def get_kv_scales(self, secret: str | None = None) -> list[list[list[float]]] | None:
-        """fp8 caches: every layer's [2, Hk] largest page scale (a summary; read_block_scales has the pages')."""
-        return None if self.kv_scales is None else [s.amax(dim=1).tolist() for s in self.kv_scales]
-
-    def read_block_scales(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor | None:
-        """fp8 caches: the pages' scales [num_layers, 2, n, Hk] float32 on the CPU (None for other caches), so a
-        copy made with read_blocks + write_blocks holds exactly the source's bytes and scales."""
-        if self.kv_scales is None:
-            return None
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return torch.stack([s.index_select(1, idx) for s in self.kv_scales]).cpu()
-
-    def mark_ready(self, secret: str | None = None) -> None:
-        """The coordinator finished refilling this replacement: it may serve now."""
-        self._ready = True
-
-    def export_kv(self, group_name: str, ticket: str | None = None) -> list[tuple]:
-        """CUDA IPC handles of every layer's KV cache (and an fp8 cache's page scales), for a client on this GPU to
-        open once per connection.
-
-        Such a client computes this shard's share in its own process (no per-layer hand-over between
-        two processes on one GPU, which costs a context switch each way); the caches stay owned here.
-        Only non-detached services use it (gateway._local_ranks): writes made there bypass the fence. The
-        caller proves it is a registered client (a group ticket); it then holds this whole shard's KV, which
-        is why clients that must be isolated from each other run with local_shards='off' (README Security).
-        """
-        self._live_ticket(group_name, ticket)
-        if self.device.type != "cuda":
-            raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        # fp8: the page scales too (after the caches), which the client grows as it writes its pages.
-        return [reduce_tensor(t)[1] for t in self.kv_caches + (self.kv_scales or [])]
-
-    def read_blocks(self, block_ids: list[int], secret: str | None = None) -> torch.Tensor:
-        """KV pages [num_layers, 2, n, block_size, Hk, D] on the CPU (recovery and tests; never per layer).
-        An fp8 cache's pages come back dequantised (float32 real values), so the receiver needs no scales."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        if self.kv_scales is None:
-            return torch.stack([t[:, idx] for t in self.kv_caches]).cpu()
-        return torch.stack([dequantize(t[:, idx], s.index_select(1, idx)[:, :, None, :, None], torch.float32)
-                            for t, s in zip(self.kv_caches, self.kv_scales)]).cpu()
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor, secret: str | None = None,
-                     scales: torch.Tensor | None = None) -> None:
-        """Pages [num_layers, 2, n, B, Hk, D] of real values into ``block_ids``. An fp8 cache takes the pages'
-        ``scales`` (read_block_scales of the source: the copy is then exact, bytes and scales); without them
-        dynamic scales are computed from the pages as if written afresh, static ones are the config's."""
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for layer, t in enumerate(self.kv_caches):
-            if self.kv_scales is None:
-                t[:, idx] = data[layer].to(self.device, self.dtype)
-                continue
-            pages = data[layer].to(self.device, torch.float32)             # [2, n, B, Hk, D] real values
-            scale = self.kv_scales[layer]
-            if scales is not None:
-                scale.index_copy_(1, idx, scales[layer].to(self.device, torch.float32))
-            elif self.config.kv_scales is None:
-                scale.index_copy_(1, idx, page_scales_of(pages, self.kv_format))
-            t[:, idx] = quantize(pages, scale.index_select(1, idx)[:, :, None, :, None], t.dtype)
-
-    def fill_synthetic(self, plan: ShardStepPlan, seed: int) -> int:
-        """Write seeded random K/V for the plan's new tokens this shard owns (benchmarks, load tests).
-
-        Every shard draws the same values (synthetic_kv on its device) and keeps its own tokens, so
-        the sequence's logical KV is reproducible from ``seed``.
-        """
-        slots = plan.metadata.slot_mapping.to(self.device)
-        replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
-        hk, d = self.config.num_kv_heads, self.config.head_size
-        copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            if not self._fence.enter(plan.incarnation):
-                raise StepFencedError(f"shard {self.bundle_index}: fill_synthetic of coordinator incarnation "
-                                      f"{plan.incarnation} was fenced by a restarted coordinator: fill again")
-            try:
-                if copies is not None:
-                    copy_pages(cache, copies)   # copy on write of a forked prefix's shared page
-                for start in range(0, plan.num_tokens, SYNTHETIC_CHUNK):
-                    n = min(SYNTHETIC_CHUNK, plan.num_tokens - start)
-                    k, v = synthetic_kv(seed, layer, start, n, hk, d, self.device)
-                    k, v = k.to(self.dtype), v.to(self.dtype)
-                    scale = None
-                    if self.kv_scales is not None:
-                        scale = self.kv_scales[layer]
-                        if self.config.kv_scales is None:
-                            chunk = [a[start:start + n] for a in (plan.metadata.slot_mapping,
-                                                                  plan.replica_slot_mapping) if a is not None]
-                            PageScaleWrites(chunk, self.config.block_size, self.device).grow(
-                                cache, scale, k, v, self.kv_format)
-                    for chunk_slots in (slots, replica):
-                        if chunk_slots is not None:
-                            write_kv_cache(cache, k, v, chunk_slots[start:start + n], scale)
-            finally:
-                self._fence.leave()
-        return int((slots >= 0).sum())
-
     # Coordinator fencing (issue 12) ----------------------------------------------------------------
     def fence(self, incarnation: int, timeout_s: float, secret: str | None = None) -> dict:
         """Called by a restarted coordinator before it hands out any page: steps of older incarnations
@@ -287,131 +146,6 @@ class ShardWorker:
         logger.warning("shard %d fenced coordinator incarnations below %d (%d steps were mid-write)",
                        self.bundle_index, incarnation, report["waited_for"])
         return report
-
-    def _refuse_fenced(self, plane: DataPlane, plan: ShardStepPlan, timings: dict | None = None) -> dict:
-        """A step of a fenced incarnation: write nothing, and drop its group so the client's collective fails
-        now (the client then learns from the coordinator that the step must be run again)."""
-        with self._lock:
-            names = [n for n, p in self._groups.items() if p is plane]
-            for name in names:
-                del self._groups[name]
-        self._drop_graphs(names)
-        plane.close()
-        logger.warning("shard %d: step %d of coordinator incarnation %d refused (fenced at %d)", self.bundle_index,
-                       plan.step_id, plan.incarnation, self._fence.floor)
-        return dict(timings or {}, outcome="fenced",
-                    error=f"step {plan.step_id} was fenced by a restarted coordinator")
-
-    # Data plane -----------------------------------------------------------------------------------
-    def _live_ticket(self, group_name: str, ticket: str | None) -> authority.Ticket | None:
-        """Under the lock: a genuine ticket (the surface checked its HMAC) that has not expired and whose
-        client has not ended since it was issued; raises AccessDeniedError otherwise."""
-        if self._secret is None:
-            return None
-        t = authority.read_ticket(self._secret, group_name, ticket)
-        now, ttl = time.time(), self.config.client_lease_s
-        # Forget what can no longer matter: tickets older than ttl are refused as expired anyway.
-        self._admitted = {k: exp for k, exp in self._admitted.items() if exp >= now}
-        self._ended = {c: at for c, at in self._ended.items() if at >= now - 2 * ttl}
-        if now > t.issued_at + ttl:
-            raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket expired "
-                                    f"(tickets last client_lease_s={ttl:g}s): get a new one")
-        if t.issued_at <= self._ended.get(t.client_id, float("-inf")):
-            raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: the ticket's client "
-                                    "ended after it was issued: connect again")
-        return t
-
-    def join_group(self, group_name: str, host: str, port: int, rank: int, world_size: int, backend: str,
-                   ticket: str | None = None) -> bool:
-        """Join a client's data-plane group: one join per ticket, at most MAX_JOINS_PER_CLIENT (and
-        MAX_JOINS_IN_FLIGHT overall) at once, and a handshake that does not finish within join_timeout_s
-        gives its thread back (it goes on, bounded by collective_timeout_s, in a thread of its own)."""
-        with self._lock:
-            t = self._live_ticket(group_name, ticket)
-            client = t.client_id if t is not None else group_name
-            if ticket in self._admitted or group_name in self._groups:
-                raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: its ticket was "
-                                        "already used (a ticket admits one join): rejoin under a new group name")
-            if self._joining.get(client, 0) >= MAX_JOINS_PER_CLIENT or sum(self._joining.values()) >= MAX_JOINS_IN_FLIGHT:
-                raise CapacityError(f"shard {self.bundle_index}: {self._joining.get(client, 0)} joins of this client "
-                                    f"and {sum(self._joining.values())} in all are still in their handshake (at most "
-                                    f"{MAX_JOINS_PER_CLIENT} per client, {MAX_JOINS_IN_FLIGHT} in all): finish or "
-                                    "abandon those first, then retry", shard=self.bundle_index)
-            if t is not None:
-                self._admitted[ticket] = t.issued_at + self.config.client_lease_s
-            self._joining[client] = self._joining.get(client, 0) + 1
-        outcome: dict = {}
-        done = threading.Event()
-        cfg = self.config
-        bind_ip, interface = bind_address(_node_ip(), cfg.data_plane_interface)
-
-        def handshake() -> None:
-            try:
-                group = connect_group(host, port, group_name, rank, world_size, backend, cfg.collective_timeout_s,
-                                      bind_ip=bind_ip, interface=interface,
-                                      explicit_interface=bool(cfg.data_plane_interface))
-                plane = DataPlane(group, rank, world_size, backend)
-                with self._lock:
-                    if outcome.get("abandoned"):
-                        plane.close()   # the caller was told it failed: nobody will use this group
-                    else:
-                        self._groups[group_name] = plane
-                        outcome["joined"] = True
-            except BaseException as exc:
-                outcome["error"] = exc
-            finally:
-                with self._lock:
-                    self._joining[client] -= 1
-                    if not self._joining[client]:
-                        del self._joining[client]
-                done.set()
-
-        threading.Thread(target=handshake, daemon=True, name=f"cpattn-join-{group_name}").start()
-        done.wait(self.config.join_timeout_s)
-        with self._lock:
-            if not outcome.get("joined") and "error" not in outcome:
-                outcome["abandoned"] = True
-                raise ServiceError(f"shard {self.bundle_index}: group {group_name!r}: the handshake did not finish "
-                                   f"within join_timeout_s={self.config.join_timeout_s:g}s: is the client's store "
-                                   "reachable from the shards? join again")
-        if "error" in outcome:
-            raise outcome["error"]
-        return True
-
-    def drop_client(self, secret: str, client_id: str, ended_at: float | None = None) -> int:
-        """Close every data-plane group of a client that ended (close() or a lapsed lease); returns how many.
-        Its tickets issued up to ``ended_at`` (the coordinator's clock) are void from now on."""
-        with self._lock:
-            self._ended[client_id] = time.time() if ended_at is None else ended_at
-            names = [n for n in self._groups if n.startswith(f"{client_id}-")]
-            planes = [self._groups.pop(n) for n in names]
-        self._drop_graphs(names)
-        for plane in planes:
-            plane.close()
-        return len(planes)
-
-    def group_names(self, secret: str | None = None) -> list[str]:
-        with self._lock:
-            return list(self._groups)
-
-    def leave_group(self, group_name: str, ticket: str | None = None) -> None:
-        """Leaving needs a genuine ticket of the group (checked by the surface), spent or expired or not."""
-        with self._lock:
-            plane = self._groups.pop(group_name, None)
-        self._drop_graphs([group_name])
-        if plane is not None:
-            plane.close()
-
-    def _drop_graphs(self, names: list[str]) -> None:
-        """Forget the groups' graphs; step graphs captured NCCL work, so they go before the communicator does
-        (destroying a communicator that captured graphs still hold hangs in its abort)."""
-        with self._lock:
-            dropped = [self._step_graphs.pop(n, None) for n in names]
-            for name in names:
-                self._graphs.pop(name, None)
-        for step_graphs in dropped:
-            if step_graphs is not None:
-                step_graphs.release()
 
     def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None
                  ) -> ShardStepReport:
