@@ -16,7 +16,8 @@ Which process runs each file (a file in two columns is shared code, imported by 
     netstore.py     the group's rendezvous     decode_run.py   decode runs      netbind.py      bind address
     lease.py        heartbeat (LeaseKeeper)    decode_run_plans.py  their plans messages.py     typed replies
     page_delta.py   pages held (PageCache)     prefix_sharing.py  share tokens  authority.py    who may call
-    layer_runner.py, decode_graphs.py          step_planner.py  plans
+    layer_runner.py, decode_graphs.py,         step_planner.py  plans
+      graph_capture.py
                     shards on the client's     step_outcome.py  end_step reply
                     GPU (CUDA IPC)             shard_recovery.py, recovery.py
     data_plane.py, netbind.py                  shard_set.py, placement.py

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from cpattn.attention.ops.merge import merge_partials
+from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.cluster.data_plane import CMD_ATTEND, HEADER_BYTES, TAG_BYTES
 
 logger = logging.getLogger("cpattn")
@@ -133,22 +134,6 @@ class ClientLayerGraphs:
         lse_bytes = t * hq * torch.empty(0, dtype=self.lse_dtype).element_size()
         self.recv = {r: torch.zeros(self.out_bytes + lse_bytes + TAG_BYTES, dtype=torch.uint8, device=device)
                      for r in wire.remote_rows}
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        torch.cuda.synchronize(device)
-        gc.collect()
-        pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.stream(side):
-            for layer in range(num_layers):
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    outputs = self._layer(layer, wire)
-                finally:
-                    graph.capture_end()
-                self.graphs.append(graph)
-                self.outputs.append(outputs)
-        current.wait_stream(side)
+        self.graphs, self.outputs = capture_graphs(device, num_layers, lambda layer: self._layer(layer, wire))
         self.key = key
         logger.info("captured %d client decode graphs for bucket %s", len(self.graphs), key)

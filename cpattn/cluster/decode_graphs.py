@@ -13,13 +13,13 @@ Used by the shard actor and by a client computing a shard on its own GPU (cluste
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
 
 from cpattn.attention import AttentionCGSupport, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.kvstore import kernel_kv_view
 
 logger = logging.getLogger("cpattn")
@@ -93,25 +93,8 @@ class DecodeGraphs:
         self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
         self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
-        current = torch.cuda.current_stream(r.device)
-        side = torch.cuda.Stream(r.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._layer(0)   # warm-up: JIT compilation and allocations happen outside the capture
-        side.synchronize()
-        gc.collect()
-        pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.stream(side):
-            for layer in range(cfg.num_layers):
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: a shard actor's other threads (other clients' steps) keep launching meanwhile.
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    outputs = self._layer(layer)
-                finally:
-                    graph.capture_end()
-                self.graphs.append(graph)
-                self.outputs.append(outputs)
-        current.wait_stream(side)
+        # Warm-up: JIT compilation and allocations happen outside the capture.
+        self.graphs, self.outputs = capture_graphs(r.device, cfg.num_layers, self._layer, warmup=lambda: self._layer(0),
+                                                   sync_device=False)
         self.key = key
         logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)

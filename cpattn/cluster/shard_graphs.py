@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.cluster.data_plane import HEADER_BYTES, TAG_BYTES
 
 logger = logging.getLogger("cpattn")
@@ -130,20 +131,7 @@ class ShardStepGraphs:
         self.layer_ids = torch.arange(num_layers, dtype=torch.int64, device=device)
         self.tags = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.done = torch.cuda.Event()
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        torch.cuda.synchronize(device)
-        gc.collect()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            # thread_local: the shard's other threads (other clients' steps) keep launching meanwhile.
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for layer in range(num_layers):
-                    self._layer(graphs, layer, num_rows)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
-        self.graph = graph
+        captured, _ = capture_graphs(device, 1, lambda _: [self._layer(graphs, layer, num_rows)
+                                                            for layer in range(num_layers)])
+        self.graph = captured[0]
         logger.info("captured a %d-layer shard step graph (%d tokens, %d rows)", num_layers, num_tokens, num_rows)
