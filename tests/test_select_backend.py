@@ -109,7 +109,7 @@ def test_the_call_sites_agree_on_the_choice():
         probe_backend(cfg.model_copy(update={"backend": "PLAIN_GPU_PLUGIN"}), None)
 
 
-CALL_SITES = {"cpattn/cluster/shard.py": "ShardWorker.__init__", "cpattn/cluster/gateway.py": "Gateway.join",
+CALL_SITES = {"cpattn/cluster/shard.py": "ShardWorker.__init__", "cpattn/cluster/client_group.py": "GroupMembership.join",
               "cpattn/cluster/shard_set.py": "probe_backend", "cpattn/cluster/service.py": "check_backend"}
 
 
