@@ -4,7 +4,6 @@ greedy tokens as transformers' eager generate), the progress bar's KV per shard,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,16 +15,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from examples_loader import load_example  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
 def _load(name: str):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name)
 
 
 def _resolve(argv: list[str]):

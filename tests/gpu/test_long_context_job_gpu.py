@@ -5,7 +5,6 @@ minutes) with its attention on cpattn shards matches transformers' SDPA step by 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,16 +17,14 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
 
+from examples_loader import load_example  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
 def _load(name: str):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name)
 
 
 @pytest.mark.parametrize("shards", [1, 2])
