@@ -119,6 +119,28 @@ def test_hung_shard_is_replaced_within_the_timeouts(replicated):
     _all_continue(svc, oracle, seqs)
 
 
+def test_killed_while_the_client_rejoins_is_replaced_and_the_join_retried(replicated, monkeypatch):
+    """A shard dying while the client's new group forms (CI's chaos run: killed just after a replacement) is one
+    more replaced shard, never an error the caller sees."""
+    from cpattn.cluster import client_group
+
+    svc, oracle, seqs = replicated
+    replaced, epoch = svc.stats()["shards_replaced"], svc.gateway.epoch
+    real, calls = client_group.create_group, []
+
+    def kill_while_forming(*args, **kwargs):
+        calls.append(args[1])   # the group's name
+        if len(calls) == 1:
+            kill_shard(svc, 1)   # its join was sent; it never connects
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client_group, "create_group", kill_while_forming)
+    svc.gateway.rejoin()
+    assert len(calls) == 2 and calls[0] != calls[1], calls   # the first group failed, a fresh one formed
+    assert svc.stats()["shards_replaced"] == replaced + 1 and svc.gateway.epoch > epoch
+    _all_continue(svc, oracle, seqs)
+
+
 # --- kv_replicas=1 ---------------------------------------------------------------------------------
 
 NUM_BLOCKS = 16      # per shard; block_size 4, dcp_interleave 4: token p lives on shard (p // 4) % 3

@@ -8,6 +8,7 @@ its predecessor's messages; the coordinator's ticket proves each join to the sha
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -20,9 +21,12 @@ from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.netbind import bind_address
 from cpattn.cluster.netstore import make_bound_store
 from cpattn.cluster.rpc import call
-from cpattn.errors import CpattnError, ServiceError
+from cpattn.errors import CpattnError, DataPlaneError, ServiceError
 
 logger = logging.getLogger("cpattn")
+
+# Joins tried in a row when shards die while the group forms (each death is replaced first, as between steps).
+MAX_JOINS = 4
 
 
 class GroupMembership:
@@ -77,15 +81,10 @@ class GroupMembership:
                 group = create_group(store, self.group_name, 0, world, backend, cfg.collective_timeout_s,
                                      bind_ip=host, interface=interface,
                                      explicit_interface=bool(cfg.data_plane_interface))
-            except CpattnError:
-                # The shards' joins fail as ours did, within their own deadline: collect them (unread errors get
-                # logged by Ray as unhandled) and report ours, which names the addresses.
-                ready, _ = ray.wait(joins, num_returns=len(joins), timeout=cfg.collective_timeout_s)
-                for ref in ready:
-                    try:
-                        ray.get(ref, timeout=0)
-                    except Exception:   # the same failure, seen from that shard
-                        pass
+            except CpattnError as exc:
+                died = self._collect_failed_joins(joins)
+                if died is not None:   # not the network: a shard died while the group formed
+                    raise DataPlaneError(f"{exc} (a shard died while the group formed: {died})") from died
                 raise
             call(joins, cfg.rpc_timeout_s, "shards joining the data plane")
             self._store = store   # the store must outlive the group
@@ -119,7 +118,46 @@ class GroupMembership:
         self.local, self.local_graphs = {}, {}   # drops the IPC mappings (and graphs reading them)
         self.client_graphs = None
 
+    def _collect_failed_joins(self, joins: list) -> ray.exceptions.RayActorError | None:
+        """After our side of a join failed: the shards' joins fail too, within their own deadline. Collects them
+        (unread errors get logged by Ray as unhandled); returns a dead shard's error, if one died meanwhile."""
+        ready, _ = ray.wait(joins, num_returns=len(joins), timeout=self.config.collective_timeout_s)
+        died = None
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                died = exc
+            except Exception:   # the same failure as ours, seen from that shard
+                pass
+        return died
+
     def rejoin(self) -> None:
-        """After a shard was replaced or a collective failed: drop the group and the mappings, join again."""
-        self.leave()
-        self.join()
+        """After a shard was replaced or a collective failed: drop the group and the mappings, join again.
+
+        A shard can die while the new group forms (its join never connects): that is one more shard loss, which
+        the coordinator's health check replaces; wait for its next epoch and join that (MAX_JOINS in all)."""
+        for attempt in range(1, MAX_JOINS + 1):
+            self.leave()
+            try:
+                self.join()
+                return
+            except ServiceError as exc:
+                if attempt == MAX_JOINS or not isinstance(exc.__cause__, ray.exceptions.RayActorError):
+                    raise
+                logger.warning("cpattn client %s: rejoining epoch %d failed (%s); waiting for the shard's "
+                               "replacement", self.client_id, self.epoch, exc)
+                self._await_epoch_after(self.epoch, exc)
+
+    def _await_epoch_after(self, epoch: int, failure: ServiceError) -> None:
+        """Until the coordinator has replaced the dead shard (its epoch moved past ``epoch``); bounded by the time
+        a health check and a shard start may take."""
+        cfg = self.config
+        limit_s = cfg.health_check_interval_s + cfg.start_timeout_s + cfg.rpc_timeout_s
+        deadline = time.monotonic() + limit_s
+        while call(self.coordinator.get_shards.remote(self.credential), cfg.rpc_timeout_s,
+                   "get_shards")["epoch"] == epoch:
+            if time.monotonic() > deadline:
+                raise ServiceError(f"a shard died while this client rejoined and the service did not replace it "
+                                   f"within {limit_s:.0f}s: check `cpattn status`") from failure
+            time.sleep(min(0.1, cfg.health_check_interval_s))
