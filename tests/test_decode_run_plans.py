@@ -68,7 +68,7 @@ def _check_run(n, block_size, interleave, replicas, lengths, num_steps, window):
                 for j, sid in enumerate(step_ids)]
     got = plan_decode_run(alloc, rows, lengths, step_ids, table_gatherer(alloc, rows, {}), 3, "s", window, None,
                           True, 8)
-    assert len(got) == num_steps and all(len(p) == n for p in got)
+    assert len(got) == num_steps and all(len(p) == n for p in got) and len(list(got)) == num_steps
     for j in range(num_steps):
         for rank in range(n):
             _same(got[j][rank], expected[j][rank], f"step {j} rank {rank}")
@@ -76,13 +76,13 @@ def _check_run(n, block_size, interleave, replicas, lengths, num_steps, window):
     local = [r for r in range(n) if r % 2 == 0]
     for rank in range(n):
         sent = later_plans(got, rank)
-        _same(pickle.loads(pickle.dumps(sent)), [expected[j][rank] for j in range(1, num_steps)], f"later {rank}")
+        _same(list(pickle.loads(pickle.dumps(sent))), [expected[j][rank] for j in range(1, num_steps)], f"later {rank}")
     first, later = client_steps(got, step_ids, local)
     assert first.local_plans.keys() == set(local)
     want = [StepPlans(sid, {r: for_client(expected[j][r]) for r in local},
                       {r: p.rows for r, p in enumerate(expected[j]) if r not in local and p.num_rows})
             for j, sid in enumerate(step_ids)]
-    _same([first, *pickle.loads(pickle.dumps(later))], want, "client steps")
+    _same([pickle.loads(pickle.dumps(first)), *pickle.loads(pickle.dumps(later))], want, "client steps")
     assert len(pickle.dumps(later_plans(got, 0))) < 4096 + 200 * num_steps * len(lengths) + 8 * got[0][0].metadata.block_table_tensor.numel()
     return got
 

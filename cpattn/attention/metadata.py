@@ -14,13 +14,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cpattn.array_pickle import TensorsAsArrays
 from cpattn.errors import InvalidRequestError
 from cpattn.kvstore import (PAD_SLOT_ID, compute_slot_mapping, dcp_local_position, dcp_local_seq_lens,
                             dcp_owner_rank)
 
 
 @dataclass
-class CommonAttentionMetadata:
+class CommonAttentionMetadata(TensorsAsArrays):
     query_start_loc: torch.Tensor
     """(B + 1,) int64, device: start of each request in the flattened query; last = T."""
     query_start_loc_cpu: torch.Tensor

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
@@ -70,8 +71,10 @@ class PendingCommit:
 class DecodeRun:
     request: dict[str, int]
     """The request every step of the run answers (compared in order: rows follow it)."""
-    steps: list[StepPlans]
-    """Per step its plans (the first is the begin_step reply itself)."""
+    first: StepPlans
+    """The begin_step reply itself."""
+    later: Sequence[StepPlans]
+    """Its later steps (built as they are reached: decode_run_plans.RunSteps)."""
     num_tokens: int
     index: int = 0
     """Steps begun so far."""
@@ -84,17 +87,17 @@ class DecodeRun:
 
     @property
     def first_step_id(self) -> int:
-        return self.steps[0].step_id
+        return self.first.step_id
 
     @property
     def num_steps(self) -> int:
-        return len(self.steps)
+        return 1 + len(self.later)
 
     def continues(self, request) -> bool:
         return self.index < self.num_steps and list(request.items()) == list(self.request.items())
 
     def next_step(self) -> StepPlans:
-        step = self.steps[self.index]
+        step = self.later[self.index - 1] if self.index else self.first
         self.index += 1
         self.idle_since = None
         return step

@@ -15,11 +15,11 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 from __future__ import annotations
 
 from cpattn.cluster.messages import StepPlans
-from cpattn.cluster.decode_run_plans import CompactList, RunPlans, client_steps_of, plan_decode_run, plans_of
+from cpattn.cluster.decode_run_plans import RunPlans, RunSteps, client_step, plan_decode_run, shard_step
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
 from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, for_client, plan_step, table_gatherer
 from cpattn.config import ServiceConfig
-from cpattn.errors import CapacityError, InvalidRequestError
+from cpattn.errors import InvalidRequestError
 from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
 
 MAX_RUN_STEPS = 64
@@ -43,16 +43,12 @@ def run_length(request: dict[str, int], ahead, free_threads: int, other_clients:
 def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_steps: int) -> list[Growth]:
     """Pages for the run's steps after its first (the first grew as any step does): as many steps as fit
     the cache and the client's quota, at most ``num_steps - 1`` more; the run is shortened, never refused."""
-    growths = []
-    for j in range(1, num_steps):
-        try:
-            for seq in seqs:
-                table.check_growth(seq, j + 1, "a run", "in")
-            table.check_quota(client_id, len(seqs) * (j + 1))
-            growths.append(table.grow(seqs, [s.length + j + 1 for s in seqs]))
-        except (CapacityError, InvalidRequestError):
-            break
-    return growths
+    for seq in seqs:   # step j holds length + j + 1 tokens: check_growth's limit
+        num_steps = min(num_steps, table.capacity_tokens() - seq.length)
+    quota = table.config.max_tokens_per_client
+    if quota is not None and seqs:   # check_quota's limit
+        num_steps = min(num_steps, (quota - sum(s.length for s in table.owned_by(client_id))) // len(seqs))
+    return table.grow_run(seqs, num_steps)
 
 
 def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
@@ -78,20 +74,21 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
 
 def later_plans(runs: list[list[ShardStepPlan]], rank: int) -> list[ShardStepPlan]:
     """What a remote shard gets of a run's steps after the first (compact when the run was planned at once)."""
-    later = [plans[rank] for plans in runs[1:]]
-    return CompactList(later, plans_of, (runs.ranks[rank], 1)) if isinstance(runs, RunPlans) else later
+    if isinstance(runs, RunPlans):
+        return RunSteps(shard_step, [runs.ranks[rank]], 1)
+    return [plans[rank] for plans in runs[1:]]
 
 
 def client_steps(runs: list[list[ShardStepPlan]], step_ids: list[int],
                  local: list[int]) -> tuple[StepPlans, list[StepPlans]]:
     """What begin_step tells the client of each step, (the first, the later ones): its in-process shards' plans
     (without secret or block table) and the rows each remote shard sends back."""
-    steps = [StepPlans(step_id, {r: for_client(plans[r]) for r in local},
-                       {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows})
-             for step_id, plans in zip(step_ids, runs)]
+    def of(j: int) -> StepPlans:
+        return StepPlans(step_ids[j], {r: for_client(runs[j][r]) for r in local},
+                         {r: p.rows for r, p in enumerate(runs[j]) if r not in local and p.num_rows})
     if isinstance(runs, RunPlans):
-        return steps[0], CompactList(steps[1:], client_steps_of, ([r.for_client() for r in runs.ranks], local, 1))
-    return steps[0], steps[1:]
+        return of(0), RunSteps(client_step, [r.for_client() for r in runs.ranks], 1, tuple(local))
+    return of(0), [of(j) for j in range(1, len(runs))]
 
 
 def check_done(done, num_substeps: int) -> int:

@@ -1,6 +1,7 @@
 """The plans of a decode run's steps, all S steps of a rank in one set of tensor operations.
 
-Runs in: the coordinator (cluster/decode_run.plan_steps, under its lock).
+Runs in: the coordinator (cluster/decode_run.plan_steps, under its lock); a run's later steps are built from
+its RunSteps in the shard and the client that receive them.
 A decode run's steps differ only by one token per sequence: step j's token of sequence b sits at global
 position lengths[b] + j. Planned one step at a time (step_planner.plan_step) each step cost ~40 small torch
 operations per rank, 1.5-3 ms per step on a GPU host, paid by the client at the start of every run
@@ -12,10 +13,12 @@ Legend: S steps, B sequences, W block-table width.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from cpattn.array_pickle import TensorsAsArrays
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.attention.pcp import plan_causal_pieces
 from cpattn.cluster.messages import StepPlans
@@ -25,7 +28,7 @@ from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
 
 
 @dataclass
-class RankRun:
+class RankRun(TensorsAsArrays):
     """One rank's plans of a decode run, stacked [S, B]; ``plan(j)`` is step j's ShardStepPlan."""
 
     rank: int
@@ -57,53 +60,109 @@ class RankRun:
             max_seq_len=int(seq_lens.max()) if num_seqs else 0, causal=False,
             query_positions_cpu=self.positions[j].clone(), dcp_world_size=self.world_size, dcp_rank=self.rank,
             dcp_interleave=self.interleave)
-        computes = self.computes[j]
         return ShardStepPlan(
             step_id=self.step_ids[j], num_tokens=num_seqs, metadata=md, causal_pieces=self.pieces,
             replica_slot_mapping=None if self.replica_slots is None else self.replica_slots[j].clone(),
-            page_copies=self.first_copies if j == 0 else None,
-            rows=None if bool(computes.all()) else computes.nonzero().flatten(), incarnation=self.incarnation,
+            page_copies=self.first_copies if j == 0 else None, rows=self.rows(j), incarnation=self.incarnation,
             auth=self.auth)
+
+    def rows(self, j: int) -> torch.Tensor | None:
+        """Step j's ShardStepPlan.rows: the rows this rank computes, None for all."""
+        computes = self.computes[j]
+        return None if bool(computes.all()) else computes.nonzero().flatten()
 
     def for_client(self) -> "RankRun":
         """step_planner.for_client of every step: no shard secret, no block table (the client gets deltas)."""
         return replace(self, auth=None, table=torch.empty(self.positions.shape[1], 0, dtype=torch.int64))
 
 
-class RunPlans(list):
-    """plans[step][rank] of a decode run, with each rank's stacked RankRun (``ranks``) for compact messages."""
+class RunPlans(Sequence):
+    """plans[step][rank] of a decode run, each step's plans built when first read (the coordinator reads the
+    first and last only: the rest travel as each rank's stacked RankRun, ``ranks``)."""
 
-    def __init__(self, steps: list[list[ShardStepPlan]], ranks: list[RankRun]):
-        super().__init__(steps)
+    def __init__(self, ranks: list[RankRun]):
         self.ranks = ranks
+        self._built: dict[int, list[ShardStepPlan]] = {}
+
+    def __len__(self) -> int:
+        return len(self.ranks[0].step_ids)
+
+    def __getitem__(self, j: int) -> list[ShardStepPlan]:
+        j = _index(j, len(self))
+        if j not in self._built:
+            self._built[j] = [r.plan(j) for r in self.ranks]
+        return self._built[j]
 
 
-class CompactList(list):
-    """A list that travels as the stacked arrays it was made from: pickling one plan per step cost ~1 ms each
-    (~10 tensors apiece) on the critical path of a run's first step; this is a few tensors for all of them.
-    Unpickled, it is a plain list again."""
+class RunSteps(Sequence):
+    """A decode run's steps from ``start`` on as they travel: each rank's stacked RankRun, a few arrays for all
+    of them (pickling one plan per step cost ~1 ms each, ~10 tensors apiece, on the critical path of a run's
+    first step). A step's plan is built in the receiving process when first read: a remote shard builds step
+    j's while it waits for the client's header, the client when it begins step j (``make(self, j)``)."""
 
-    def __init__(self, items: list, rebuild, args: tuple):
-        super().__init__(items)
-        self.rebuild, self.args = rebuild, args
+    def __init__(self, make: Callable, ranks: list[RankRun], start: int, local: tuple[int, ...] = ()):
+        self.make, self.ranks, self.start, self.local = make, ranks, start, local
+        self.block_tables: dict[int, torch.Tensor] = {}
+        """The client's in-process shards' block tables (one per run: cluster/page_delta.py), set on every step."""
+        self._built: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.ranks[0].step_ids) - self.start
+
+    def __getitem__(self, i: int):
+        i = _index(i, len(self))
+        if i not in self._built:
+            self._built[i] = self.make(self, self.start + i)
+        return self._built[i]
 
     def __reduce__(self):
-        return self.rebuild, self.args
+        return RunSteps, (self.make, self.ranks, self.start, self.local)
+
+    @property
+    def auths(self) -> set:
+        """The shard secret every plan of the run carries (checked once, not by building each plan)."""
+        return {r.auth for r in self.ranks}
 
 
-def plans_of(run: RankRun, start: int) -> list[ShardStepPlan]:
-    return [run.plan(j) for j in range(start, len(run.step_ids))]
+def _index(i: int, n: int) -> int:
+    if not isinstance(i, int):
+        raise TypeError(f"a run's steps are read one at a time, not by {type(i).__name__}")
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(i)
+    return i
 
 
-def client_steps_of(runs: list[RankRun], local: list[int], start: int) -> list[StepPlans]:
-    """What begin_step tells the client of steps start.. of a run: its in-process shards' plans (for_client) and
-    the rows each remote shard sends back."""
-    steps = []
-    for j in range(start, len(runs[0].step_ids)):
-        plans = [r.plan(j) for r in runs]
-        steps.append(StepPlans(runs[0].step_ids[j], {r: plans[r] for r in local},
-                               {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows}))
-    return steps
+def shard_step(steps: RunSteps, j: int) -> ShardStepPlan:
+    """A remote shard's plan of step j (its RankRun is the only one it gets)."""
+    return steps.ranks[0].plan(j)
+
+
+def client_step(steps: RunSteps, j: int) -> StepPlans:
+    """What the client needs of step j: its in-process shards' plans (for_client, with the run's block tables)
+    and the rows each remote shard sends back."""
+    local = {r: steps.ranks[r].plan(j) for r in steps.local}
+    for r, table in steps.block_tables.items():
+        local[r].metadata.block_table_tensor = table
+    remote = {r: run.rows(j) for r, run in enumerate(steps.ranks) if r not in local}   # rows only: no whole plan
+    return StepPlans(steps.ranks[0].step_ids[j], local,
+                     {r: rows for r, rows in remote.items() if rows is None or rows.numel()})
+
+
+def use_block_tables(steps: Sequence, tables: dict[int, torch.Tensor]) -> None:
+    """The client's in-process shards read these block tables in every later step of the run."""
+    if isinstance(steps, RunSteps):
+        steps.block_tables = tables   # the steps not built yet get them when built
+        steps = list(steps._built.values())
+    for step in steps:
+        for r, table in tables.items():
+            step.local_plans[r].metadata.block_table_tensor = table
+
+
+def run_auths(steps: Sequence) -> set:
+    """The shard secrets a run's later plans carry."""
+    return steps.auths if isinstance(steps, RunSteps) else {getattr(p, "auth", None) for p in steps}
 
 
 def plan_decode_run(allocator: ShardedKVAllocator, rows: list, lengths: list[int], step_ids: list[int],
@@ -141,7 +200,7 @@ def plan_decode_run(allocator: ShardedKVAllocator, rows: list, lengths: list[int
             replica_slots=replica_slots, table=table, pieces=pieces[rank],
             first_copies=first.copies_on(rank) if first is not None and first.copies else None,
             world_size=n, interleave=interleave, incarnation=incarnation, auth=auth))
-    return RunPlans([[r.plan(j) for r in ranks] for j in range(num_steps)], ranks)
+    return RunPlans(ranks)
 
 
 def _slots(table_BW: torch.Tensor, local_pos: torch.Tensor, owned: torch.Tensor, seq_of_token: torch.Tensor,

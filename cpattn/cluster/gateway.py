@@ -32,6 +32,7 @@ from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, D
                                        RunReaper)
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.decode_run_plans import use_block_tables
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
@@ -198,12 +199,12 @@ class Gateway(RunControl, GroupMembership):
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if isinstance(info, Rejoin):
             return None
-        for r in info.local_plans:   # block tables came as deltas (cluster/page_delta.py), one for a whole run
-            table = self.pages.apply(r, info.seq_ids, info.local_pages[r])
-            for step in (info, *info.later):
-                step.local_plans[r].metadata.block_table_tensor = table
+        # Block tables came as deltas (cluster/page_delta.py), one for a whole run.
+        tables = {r: self.pages.apply(r, info.seq_ids, info.local_pages[r]) for r in info.local_plans}
+        use_block_tables([info], tables)
+        use_block_tables(info.later, tables)
         if info.later:
-            self.run = DecodeRun(dict(request), [info, *info.later], info.num_tokens, index=1)
+            self.run = DecodeRun(dict(request), info, info.later, info.num_tokens, index=1)
             if self._reaper is None:
                 self._reaper = RunReaper(self.end_idle_run, min(RUN_IDLE_S, cfg.collective_timeout_s / 4))
                 self._reaper.start()

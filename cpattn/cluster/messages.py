@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cpattn.array_pickle import TensorsAsArrays
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,7 +58,7 @@ class ShardInfo:
 
 
 @dataclass
-class StepPlans:
+class StepPlans(TensorsAsArrays):
     """One step a begin_step planned (a decode run: each of its steps)."""
 
     step_id: int

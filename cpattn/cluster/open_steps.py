@@ -47,7 +47,8 @@ class OpenStep:
 
     def lengths_after(self, kept: int) -> list[int]:
         """The sequences' lengths once ``kept`` of its steps committed (a run's step adds one token to each)."""
-        return [n - (self.num_substeps - kept) for n in self.new_lengths]
+        not_kept = self.num_substeps - kept
+        return [n - not_kept for n in self.new_lengths]
 
     def growths_from(self, kept: int) -> list[Growth]:
         """The page growths of the steps not kept, last first (the order they are undone in)."""

@@ -17,6 +17,7 @@ from cpattn.cluster.journal import CoordinatorJournal, SequenceUpdate
 from cpattn.cluster.page_delta import Delta, row_deltas
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, InvalidRequestError, ShardLostError
+from cpattn.kvstore.run_growth import grow_decode_run
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator, restore_allocator
 
 
@@ -161,14 +162,18 @@ class SequenceTable:
         if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
             raise InvalidRequestError(f"{what} {extra!r} must be an int >= 1")
         # Also keeps absurd counts (>= 2**63) away from the int64 allocator math.
-        cfg = self.config
-        capacity = cfg.num_shards * cfg.blocks_per_shard() * cfg.block_size
+        capacity = self.capacity_tokens()
         if seq.length + extra > capacity:
             raise CapacityError(f"sequence {seq.seq_id}: {seq.length} + {extra} tokens exceed the whole KV cache "
-                                f"({capacity} tokens over {cfg.num_shards} shards): shorten the request or "
+                                f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
                                 "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
         if seq.in_step is not None:
             raise InvalidRequestError(f"sequence {seq.seq_id} is {busy} open step {seq.in_step}")
+
+    def capacity_tokens(self) -> int:
+        """The whole KV cache in tokens: no sequence grows beyond it."""
+        cfg = self.config
+        return cfg.num_shards * cfg.blocks_per_shard() * cfg.block_size
 
     def check_quota(self, client_id: str, extra: int) -> None:
         quota = self.config.max_tokens_per_client
@@ -181,15 +186,20 @@ class SequenceTable:
 
     def grow(self, seqs: list[Sequence], new_lengths: list[int]) -> Growth:
         """Pages for every sequence's new length; CapacityError before changing anything."""
-        growth = self.allocator.grow([(s.rows, n) for s, n in zip(seqs, new_lengths)], [s.length for s in seqs])
-        if growth.copies:
-            copied = {(c.shard, c.row) for c in growth.copies}
-            for seq in seqs:
-                rows = set(enumerate(seq.rows.primary)) | set(enumerate(seq.rows.replica or ()))
-                if copied & rows:
-                    seq.pages_version += 1     # a page a client may hold was replaced by its copy (page_delta.py)
-                    seq.persisted_pages = -1   # same page count, other pages: the journal must rewrite them
+        lengths = [s.length for s in seqs]
+        # A decode (one token each) takes the fast path; one that does not fit raises from grow() below.
+        fast = grow_decode_run(self.allocator, [s.rows for s in seqs], lengths, 1, first_step=0) \
+            if all(n == m + 1 for n, m in zip(new_lengths, lengths)) else []
+        growth = fast[0] if fast else self.allocator.grow([(s.rows, n) for s, n in zip(seqs, new_lengths)], lengths)
+        _note_copies(seqs, growth)
         return growth
+
+    def grow_run(self, seqs: list[Sequence], num_steps: int) -> list[Growth]:
+        """Pages for a decode run's steps 1 .. num_steps-1 (kvstore/run_growth.py; shortened where a pool runs out)."""
+        growths = grow_decode_run(self.allocator, [s.rows for s in seqs], [s.length for s in seqs], num_steps)
+        for growth in growths:
+            _note_copies(seqs, growth)
+        return growths
 
     def finish(self, growth: Growth) -> None:
         """After a commit: drop the references to shared pages the step copied (copy on write)."""
@@ -273,3 +283,14 @@ class SequenceTable:
     # Usage (the rest of it: cluster/usage.py) --------------------------------------------------------------
     def blocks_used(self) -> list[int]:
         return [pool.num_used_blocks for pool in self.allocator.pools]
+
+
+def _note_copies(seqs: list[Sequence], growth: Growth) -> None:
+    """A copy on write replaced a page the sequence held: clients holding its pages and the journal must know."""
+    if growth.copies:
+        copied = {(c.shard, c.row) for c in growth.copies}
+        for seq in seqs:
+            rows = set(enumerate(seq.rows.primary)) | set(enumerate(seq.rows.replica or ()))
+            if copied & rows:
+                seq.pages_version += 1     # a page a client may hold was replaced by its copy (page_delta.py)
+                seq.persisted_pages = -1   # same page count, other pages: the journal must rewrite them

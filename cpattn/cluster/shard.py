@@ -8,6 +8,7 @@ pages (refill, CUDA IPC export, synthetic fill) are in shard_kv.py, on its data-
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from cpattn.attention import select_backend
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.decode_run_plans import run_auths
 from cpattn.cluster.shard_graphs import ShardStepGraphs
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, partial_tag
 from cpattn.cluster.fencing import StepFence
@@ -157,9 +159,8 @@ class ShardWorker(ShardKVPages, ShardGroups):
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
-        later = list(later or [])
-        if self._secret is not None and not all(authority.matches_secret(getattr(p, "auth", None), self._secret)
-                                                for p in later):
+        later = later or ()
+        if self._secret is not None and not all(authority.matches_secret(a, self._secret) for a in run_auths(later)):
             raise authority.refuse(f"shard {self.bundle_index}", "run_step", "a run's plans come from its coordinator")
         if group_name not in self._graphs:
             self._graphs[group_name] = self.runner.new_graphs()
@@ -167,10 +168,14 @@ class ShardWorker(ShardKVPages, ShardGroups):
                 self._step_graphs[group_name] = ShardStepGraphs(plane, self.runner)
         step_graphs = self._step_graphs.get(group_name)
         timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
-        for index, step_plan in enumerate([plan, *later]):
+        steps = itertools.chain([plan], later)   # a run's later plans are built as they are reached
+        for index in itertools.count():
+            t0 = time.perf_counter()
+            step_plan = next(steps, None)
+            if step_plan is None:
+                break
             if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
                 return ShardStepReport.of(self._refuse_fenced(plane, step_plan, timings))
-            t0 = time.perf_counter()
             planned = self.runner.plan(step_plan, self._graphs[group_name])
             timings["plan_s"] += time.perf_counter() - t0
             try:

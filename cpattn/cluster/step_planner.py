@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from cpattn.array_pickle import TensorsAsArrays
 from cpattn.attention.metadata import CommonAttentionMetadata, make_dcp_context_metadata
 from cpattn.attention.pcp import plan_causal_pieces
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator
 
 
 @dataclass
-class ShardStepPlan:
+class ShardStepPlan(TensorsAsArrays):
     """Everything a shard needs for one step; small CPU tensors, pickled once per step."""
 
     step_id: int
