@@ -38,3 +38,16 @@ def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
     assert rows["one"]["kv_blocks"] == rows["shared"]["kv_blocks"] == 64
     assert rows["separate"]["kv_blocks"] == 4 * 64
     assert all(r["step_ms"] > 0 and r["backend"] == "TORCH" for r in rows.values())
+
+
+def test_plan_cost_smoke_measures_every_part(tmp_path):
+    """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
+    out = tmp_path / "plan_cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/plan_cost.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke"}
+    assert rows["decode_smoke"]["steps_per_begin"] == 32 and rows["prefill_smoke"]["steps_per_begin"] == 1
+    for r in rows.values():
+        assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r

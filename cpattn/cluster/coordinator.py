@@ -227,7 +227,7 @@ class Coordinator(SequenceMethods):
                 raise
             step, runs = self.ledger.open(admitted, local, self.gen)
             shards = list(self.shard_set.handles)
-        step.refs = [h.run_step.remote(group_name, runs[0][rank], decode_run.later_plans(runs, rank))
+        step.refs = [h.run_step.remote(group_name, *decode_run.shard_plans(runs, rank))
                      for rank, h in enumerate(shards) if rank not in local]
         step.plan_s = time.perf_counter() - t0
         return self.ledger.reply(step, admitted.seqs, admitted.request, runs, held, self.gen.epoch)

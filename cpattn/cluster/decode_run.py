@@ -72,6 +72,14 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
             for j, step_id in enumerate(step_ids)]
 
 
+def shard_plans(runs: list[list[ShardStepPlan]], rank: int) -> tuple:
+    """run_step's (plan, later) for a remote shard: a run planned at once travels whole as its RunSteps (the block
+    table once, every step built on the shard as it is reached), else the first plan and the later ones."""
+    if isinstance(runs, RunPlans):
+        return RunSteps(shard_step, [runs.ranks[rank]], 0), None
+    return runs[0][rank], later_plans(runs, rank)
+
+
 def later_plans(runs: list[list[ShardStepPlan]], rank: int) -> list[ShardStepPlan]:
     """What a remote shard gets of a run's steps after the first (compact when the run was planned at once)."""
     if isinstance(runs, RunPlans):

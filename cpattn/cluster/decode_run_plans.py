@@ -123,6 +123,11 @@ class RunSteps(Sequence):
         """The shard secret every plan of the run carries (checked once, not by building each plan)."""
         return {r.auth for r in self.ranks}
 
+    @property
+    def auth(self) -> str | None:
+        """As a plan's: what a shard's authority rule checks when the whole run is run_step's ``plan``."""
+        return next(iter(self.auths)) if len(self.auths) == 1 else None
+
 
 def _index(i: int, n: int) -> int:
     if not isinstance(i, int):

@@ -21,7 +21,7 @@ from cpattn.attention import select_backend
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
-from cpattn.cluster.decode_run_plans import run_auths
+from cpattn.cluster.decode_run_plans import RunSteps, run_auths
 from cpattn.cluster.shard_graphs import ShardStepGraphs
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, partial_tag
 from cpattn.cluster.fencing import StepFence
@@ -149,12 +149,13 @@ class ShardWorker(ShardKVPages, ShardGroups):
                        self.bundle_index, incarnation, report["waited_for"])
         return report
 
-    def run_step(self, group_name: str, plan: ShardStepPlan, later: list[ShardStepPlan] | None = None
+    def run_step(self, group_name: str, plan: ShardStepPlan | RunSteps, later: list[ShardStepPlan] | None = None
                  ) -> ShardStepReport:
         """Serve every layer of one step from the group; returns timings (seconds) and how it ended.
 
         ``later``: the next steps of a decode run (cluster/decode_run.py), each served after the client's run
         header says NEXT (planned before that header arrives, so its first layer starts at once); END stops.
+        A run planned at once comes whole as ``plan`` (its RunSteps: each step's plan built as it is reached).
         """
         plane = self._groups.get(group_name)
         if plane is None:
@@ -168,7 +169,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
                 self._step_graphs[group_name] = ShardStepGraphs(plane, self.runner)
         step_graphs = self._step_graphs.get(group_name)
         timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
-        steps = itertools.chain([plan], later)   # a run's later plans are built as they are reached
+        steps = iter(plan) if isinstance(plan, RunSteps) else itertools.chain([plan], later)   # built as reached
         for index in itertools.count():
             t0 = time.perf_counter()
             step_plan = next(steps, None)
