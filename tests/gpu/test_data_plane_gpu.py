@@ -3,6 +3,7 @@ remote shards over NCCL (a GPU each) or gloo (sharing a GPU), and a remote shard
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -168,20 +169,25 @@ def _wait_dead(handle, timeout_s: float = 30.0) -> None:
 
 
 @_needs_gpus(2)
-@pytest.mark.skip(reason="known gap (2026-11-30, nvidia-h200-x2): the client hung past collective_timeout_s after "
-                         "the NCCL peer was killed mid-step; see the README's shard-loss section")
+@pytest.mark.skipif(os.environ.get("CPATTN_PROBE_KNOWN_GAPS") != "1",
+                    reason="known gap (2026-11-30, nvidia-h200-x2): the client hung past collective_timeout_s after "
+                           "the NCCL peer was killed mid-step; see the README's shard-loss section. "
+                           "CPATTN_PROBE_KNOWN_GAPS=1 runs it, dumping every thread's stack if it hangs")
 def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
     """kv_replicas=2, the remote (NCCL) shard killed after layer 0: within collective_timeout_s the step
     fails with a clear error and rolls back; the shard is replaced and refilled; the step then runs exact."""
+    import faulthandler
+
     import ray
 
     import cpattn
     from cpattn.errors import ServiceError
-    from service_oracle import Oracle
 
     cfg = _config(num_shards=2, num_gpus_per_shard=1, backend="TRITON", kv_replicas=2, collective_timeout_s=20.0,
                   shard_hang_timeout_s=20.0)
     svc = cpattn.start(cfg)
+    # A hang shows where it waits (stacks of every thread on stderr) and ends the process instead of the device call.
+    faulthandler.dump_traceback_later(cfg.collective_timeout_s + 60, exit=True)
     try:
         oracle, ids, _ = _run_checked(svc, cfg, requests=REQUESTS[:2])
         gw = svc.gateway
@@ -201,5 +207,6 @@ def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
         _checked_step(svc, cfg, oracle, request)
         assert svc.stats()["shards_replaced"] >= 1
     finally:
+        faulthandler.cancel_dump_traceback_later()
         svc.shutdown()
 
