@@ -154,9 +154,8 @@ class ShardWorker(ShardKVPages, ShardGroups):
         """Serve every layer of one step from the group; returns timings (seconds) and how it ended.
 
         ``later``: the next steps of a decode run (cluster/decode_run.py), each served after the client's run
-        header says NEXT (planned before that header arrives, so its first layer starts at once); END stops.
-        A run planned at once comes whole as ``plan`` (its RunSteps: each step's plan built as it is reached).
-        """
+        header says NEXT (planned before that header arrives, so its first layer starts at once); END stops. A
+        run planned at once comes whole as ``plan`` (RunSteps: each step's plan built as it is reached)."""
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
