@@ -15,6 +15,7 @@ import ray
 from conftest import service_config
 from cpattn.cluster import client_group, coordinator_sequences, gateway, shard_groups
 from cpattn.cluster.gateway import Gateway
+from cpattn.cluster.messages import ShardsReply
 from cpattn.errors import ConfigError, DataPlaneError, ServiceError
 from local_actors import DeadActor, FakeRay, LocalActor, plain_coordinator, resolve
 
@@ -55,6 +56,9 @@ def _groups(coord) -> list[list[str]]:
 
 
 def test_join_forms_one_group_with_every_remote_shard(coord, gw):
+    reply = coord.get_shards(gw.credential)                           # what join read: a typed reply
+    assert isinstance(reply, ShardsReply) and reply.epoch == 0 and reply.shards == coord.shard_set.handles
+    assert [i.rank for i in reply.infos] == [0, 1] and gw.shards == reply.shards
     assert gw.group_name == f"{gw.client_id}-e0-g1" and gw.epoch == 0
     assert gw.remote == [0, 1] and gw.local == {} and gw.plane.world_size == 3 and gw.plane.backend == "gloo"
     assert _groups(coord) == [[gw.group_name]] * 2
