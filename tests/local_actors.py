@@ -8,7 +8,7 @@ concurrently: a shard's join blocks until the client's side of the group forms) 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import ray
 import torch
@@ -16,12 +16,23 @@ import torch
 _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="local-actor")
 
 
+_ISSUED: list[Future] = []
+
+
 class _Method:
     def __init__(self, fn):
         self._fn = fn
 
     def remote(self, *args, **kwargs) -> Future:
-        return _POOL.submit(self._fn, *args, **kwargs)
+        future = _POOL.submit(self._fn, *args, **kwargs)
+        _ISSUED.append(future)
+        return future
+
+
+def settle(timeout_s: float = 10.0) -> None:
+    """Until every call made so far has returned (calls whose refs nobody reads: a gateway's leave_group)."""
+    wait([f for f in _ISSUED if not f.done()], timeout_s)
+    _ISSUED[:] = [f for f in _ISSUED if not f.done()]
 
 
 class LocalActor:

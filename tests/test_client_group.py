@@ -17,7 +17,7 @@ from cpattn.cluster import client_group, coordinator_sequences, gateway, shard_g
 from cpattn.cluster.gateway import Gateway
 from cpattn.cluster.messages import ShardsReply
 from cpattn.errors import ConfigError, DataPlaneError, ServiceError
-from local_actors import DeadActor, FakeRay, LocalActor, plain_coordinator, resolve
+from local_actors import DeadActor, FakeRay, LocalActor, plain_coordinator, resolve, settle
 
 HOST = "127.0.0.1"
 
@@ -51,7 +51,7 @@ def gw(coord):
 
 def _groups(coord) -> list[list[str]]:
     """Each shard's groups, once the leaves sent so far (fire and forget) have landed."""
-    time.sleep(0.05)
+    settle()
     return [w._impl.group_names() for w in coord.workers]
 
 

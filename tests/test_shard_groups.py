@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,3 +143,14 @@ def test_handshakes_that_never_finish_are_bounded_per_client(shard):
     while shard._impl._joining and time.monotonic() < deadline:   # each gives up within collective_timeout_s
         time.sleep(0.05)
     assert shard._impl._joining == {} and shard.group_names(SECRET) == []   # nothing joined meanwhile
+
+
+def test_a_fenced_step_drops_its_group(shard):
+    _join(shard, "c-1-e0-g1", _ticket("c-1-e0-g1"))
+    _join(shard, "c-2-e0-g1", _ticket("c-2-e0-g1"))
+    impl = shard._impl
+    impl._fence.raise_floor(2, 1.0)                                        # a restarted coordinator's fence
+    plan = SimpleNamespace(step_id=9, incarnation=1)
+    report = impl._refuse_fenced(impl._groups["c-1-e0-g1"], plan, {"layers": 0})
+    assert report == {"layers": 0, "outcome": "fenced", "error": "step 9 was fenced by a restarted coordinator"}
+    assert shard.group_names(SECRET) == ["c-2-e0-g1"]                   # the client's collective fails at once
