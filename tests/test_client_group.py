@@ -36,7 +36,7 @@ def coord(monkeypatch):
     monkeypatch.setattr(ray, "get", resolve)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: HOST)
     monkeypatch.setattr(shard_groups, "_node_ip", lambda: HOST)
-    c = plain_coordinator(service_config(num_shards=2, collective_timeout_s=1.5, health_check_interval_s=0.1))
+    c = plain_coordinator(service_config(num_shards=2, collective_timeout_s=2.0, health_check_interval_s=0.1))
     c.shard_set.infos = [w._impl.info().with_rank(r) for r, w in enumerate(c.workers)]
     return c
 

@@ -26,7 +26,7 @@ HOST = "127.0.0.1"
 def shard(monkeypatch):
     monkeypatch.setattr(shard_groups, "_node_ip", lambda: HOST)
     threads = torch.get_num_threads()
-    surface = RemoteShard(service_config(num_shards=2, join_timeout_s=0.3, collective_timeout_s=2.0), 0,
+    surface = RemoteShard(service_config(num_shards=2, join_timeout_s=10.0, collective_timeout_s=3.0), 0,
                           secret=SECRET)
     torch.set_num_threads(threads)   # a shard worker pins its process to num_cpus_per_shard threads
     yield surface
@@ -130,6 +130,7 @@ def test_dropping_a_client_closes_its_groups_and_voids_its_older_tickets(shard):
 
 
 def test_handshakes_that_never_finish_are_bounded_per_client(shard):
+    shard._impl.config = shard._impl.config.model_copy(update={"join_timeout_s": 0.3, "collective_timeout_s": 1.5})
     store = make_bound_store(HOST, 2, 5.0)   # the client never forms its side: the shards' handshakes hang
     for g in (1, 2):
         with pytest.raises(ServiceError, match=f"group 'c-1-e0-g{g}': the handshake did not finish within "
