@@ -150,3 +150,11 @@ def test_the_wait_for_a_replacement_is_bounded(coord, gw):
         gw.rejoin()
     assert 0.9 <= time.monotonic() - t0 < 5 and joins.calls == 1
     assert isinstance(info.value.__cause__, DataPlaneError)
+
+
+def test_leave_survives_a_shard_that_is_gone(coord, gw):
+    group = gw.group_name
+    gw.shards = [gw.shards[0], None]                 # shard 1 lost; its replacement not started yet
+    gw.leave()
+    assert gw.plane is None and gw.local == {} and gw.client_graphs is None
+    assert _groups(coord) == [[], [group]]           # shard 0 left; the lost one is dropped by the coordinator
