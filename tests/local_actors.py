@@ -14,9 +14,7 @@ import ray
 import torch
 
 _POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="local-actor")
-
-
-_ISSUED: list[Future] = []
+_ISSUED: list[Future] = []   # calls not yet known to have returned (settle)
 
 
 class _Method:
@@ -75,4 +73,6 @@ def plain_coordinator(cfg):
 
 
 class FakeRay:
+    """Stands in for the ``ray`` module where code reads refs with ray.get (coordinator_sequences)."""
+
     get = staticmethod(resolve)
