@@ -42,7 +42,7 @@ def hostile(svc, stop: threading.Event, counts: dict) -> None:
     from cpattn.cluster.netstore import make_bound_store
 
     coordinator = svc.gateway.coordinator
-    shards = ray.get(coordinator.get_shards.remote(svc.credential), timeout=60)["shards"]
+    shards = ray.get(coordinator.get_shards.remote(svc.credential), timeout=60).shards
     host = ray.util.get_node_ip_address()
     seq = svc.add_sequence()
     stores, n = [], 0

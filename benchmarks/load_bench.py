@@ -181,7 +181,7 @@ def main() -> None:
             if (stats["open_steps"] == 0 and stats["num_clients"] == 1) or time.monotonic() > leak_deadline:
                 break
             time.sleep(0.2)
-        shards = ray.get(svc.gateway.coordinator.get_shards.remote(svc.operator_credential), timeout=60)["shards"]
+        shards = ray.get(svc.gateway.coordinator.get_shards.remote(svc.operator_credential), timeout=60).shards
         leftovers = {"blocks_used": [s["blocks_used"] for s in stats["shards"]], "open_steps": stats["open_steps"],
                      "clients": stats["num_clients"] - 1,
                      "groups_per_shard": [len(g) - 1 for g in ray.get([h.group_names.remote(svc.operator_credential) for h in shards],

@@ -15,7 +15,7 @@ RPC_S = 60.0   # generous: other agents load the 2-core machine while these test
 
 def current_shards(svc) -> list:
     """The coordinator's shard handles now (svc.gateway.shards goes stale until the client rejoins)."""
-    return ray.get(svc.gateway.coordinator.get_shards.remote(svc.credential), timeout=RPC_S)["shards"]
+    return ray.get(svc.gateway.coordinator.get_shards.remote(svc.credential), timeout=RPC_S).shards
 
 
 def kv_checksums(svc) -> list[float]:

@@ -9,7 +9,8 @@ import pickle
 import pytest
 
 from cpattn.cluster import step_outcome
-from cpattn.cluster.messages import BeginStepReply, EndStepReply, Rejoin, ShardInfo, ShardStepReport, StepPlans
+from cpattn.cluster.messages import (BeginStepReply, EndStepReply, Rejoin, ShardInfo, ShardsReply, ShardStepReport,
+                                     StepPlans)
 
 
 def test_shard_info_is_typed_pickles_and_publishes_a_dict():
@@ -53,3 +54,16 @@ def test_end_step_reply_takes_the_slowest_shard():
     broken = ShardStepReport.of({"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0,
                                  "outcome": "broken", "error": "RuntimeError: peer gone"})
     assert pickle.loads(pickle.dumps(broken)).error == "RuntimeError: peer gone"
+
+
+def test_get_shards_reply_is_typed_and_pickles():
+    infos = [ShardInfo(bundle_index=0, rank=0, backend="TORCH"), ShardInfo(bundle_index=4, rank=1, ready=False)]
+    reply = ShardsReply(epoch=3, shards=["handle-0", None], infos=infos)   # None: a lost shard not yet replaced
+    again = pickle.loads(pickle.dumps(reply))                         # what Ray does between processes
+    assert again == reply and again.epoch == 3 and again.shards == ["handle-0", None]
+    assert [i.bundle_index for i in again.infos] == [0, 4] and not again.infos[1].ready
+    assert [f.name for f in dataclasses.fields(ShardsReply)] == ["epoch", "shards", "infos"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reply.epoch = 4
+    with pytest.raises(TypeError, match="'ShardsReply' object is not subscriptable"):
+        reply["epoch"]                                                # the dict it replaced: read fields instead

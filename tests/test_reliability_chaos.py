@@ -40,7 +40,7 @@ class Killer(threading.Thread):
     def run(self) -> None:
         try:
             while len(self.kills) < MAX_KILLS and not self.stop.wait(self.rng.uniform(0.1, 1.5)):
-                shards = ray.get(self.coordinator.get_shards.remote(self.operator), timeout=RPC_S)["shards"]
+                shards = ray.get(self.coordinator.get_shards.remote(self.operator), timeout=RPC_S).shards
                 rank = self.rng.randrange(len(shards))
                 before = ray.get(self.coordinator.stats.remote(self.operator), timeout=RPC_S)["shards_replaced"]
                 t0 = time.monotonic()

@@ -42,7 +42,7 @@ class GroupMembership:
         """(Re)build: open the local shards' caches, then one group with the remote shards (rank 0 is us)."""
         cfg = self.config
         current = call(self.coordinator.get_shards.remote(self.credential), cfg.rpc_timeout_s, "get_shards")
-        self.epoch, self.shards, infos = current["epoch"], current["shards"], current["infos"]
+        self.epoch, self.shards, infos = current.epoch, current.shards, current.infos
         self._generation += 1   # a fresh group name on every (re)join
         self.plane_broken = False
         self.pages.clear()      # a new epoch may have refilled shards: whole block tables again
@@ -156,7 +156,7 @@ class GroupMembership:
         limit_s = cfg.health_check_interval_s + cfg.start_timeout_s + cfg.rpc_timeout_s
         deadline = time.monotonic() + limit_s
         while call(self.coordinator.get_shards.remote(self.credential), cfg.rpc_timeout_s,
-                   "get_shards")["epoch"] == epoch:
+                   "get_shards").epoch == epoch:
             if time.monotonic() > deadline:
                 raise ServiceError(f"a shard died while this client rejoined and the service did not replace it "
                                    f"within {limit_s:.0f}s: check `cpattn status`") from failure

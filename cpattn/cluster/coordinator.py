@@ -22,7 +22,7 @@ from cpattn.cluster.client_registry import ClientRegistry
 from cpattn.cluster.coordinator_sequences import SequenceMethods
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.journal import CoordinatorJournal
-from cpattn.cluster.messages import BeginStepReply, EndStepReply, Rejoin
+from cpattn.cluster.messages import BeginStepReply, EndStepReply, Rejoin, ShardsReply
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.open_steps import OpenSteps, check_local_ranks
 from cpattn.cluster.prefix_sharing import PrefixSharing
@@ -117,10 +117,10 @@ class Coordinator(SequenceMethods):
                 "epoch": self.gen.epoch, "restored": self.restored, "incarnation": self.gen.incarnation,
                 "coordinator_node_id": ray.get_runtime_context().get_node_id()}
 
-    def get_shards(self, credential: str) -> dict:
+    def get_shards(self, credential: str) -> ShardsReply:
         """Shard handles for the caller's data-plane group (their join and leave methods need its tickets)."""
         with self._lock:
-            return {"epoch": self.gen.epoch, "shards": list(self.shard_set.handles), "infos": list(self.shard_set.infos)}
+            return ShardsReply(self.gen.epoch, list(self.shard_set.handles), list(self.shard_set.infos))
 
     def shutdown(self, operator_credential: str) -> None:
         self._stop.set()

@@ -137,3 +137,15 @@ class ShardStepReport:
     def of(cls, timings: dict) -> "ShardStepReport":
         """From the dict a shard accumulates while it serves layers (keys: these fields)."""
         return cls(**timings)
+
+
+@dataclass(frozen=True)
+class ShardsReply:
+    """get_shards' answer: the shard actors a client builds its data-plane group with, on which epoch."""
+
+    epoch: int
+    """Bumped by every shard replacement: a client whose group is older rebuilds it (cluster/client_group.py)."""
+    shards: list
+    """Actor handles by rank (None while a lost shard's replacement starts); their join and leave need a ticket."""
+    infos: list[ShardInfo]
+    """What each shard said about itself (its GPU decides which shards a client opens in its own process)."""

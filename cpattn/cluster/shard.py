@@ -114,15 +114,12 @@ class ShardWorker(ShardKVPages, ShardGroups):
         gpu_ids: tuple[str, ...] = ()
         node_id = socket.gethostname()
         node_ip = "127.0.0.1"
-        try:
-            import ray
+        import ray
 
-            ctx = ray.get_runtime_context()
-            node_id = ctx.get_node_id()
+        if ray.is_initialized():   # else a plain worker in a unit test (get_runtime_context would start Ray)
+            node_id = ray.get_runtime_context().get_node_id()
             node_ip = ray.util.get_node_ip_address()
             gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
-        except Exception:   # plain-class use in unit tests: no Ray worker context
-            pass
         gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else None
         return ShardInfo(bundle_index=self.bundle_index, node_id=node_id, node_ip=node_ip, gpu_ids=gpu_ids,
                          gpu_uuid=gpu_uuid, pid=os.getpid(), device=str(self.device), backend=self.backend.get_name(),

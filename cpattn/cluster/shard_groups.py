@@ -75,6 +75,9 @@ class ShardGroups:
         if self._secret is None:
             return None
         t = authority.read_ticket(self._secret, group_name, ticket)
+        if t is None:   # only a caller bypassing the surface gets here (a plain worker, in-process)
+            raise AccessDeniedError(f"shard {self.bundle_index}: group {group_name!r} refused: no valid ticket (get "
+                                    "one from the coordinator with the client's credential)")
         now, ttl = time.time(), self.config.client_lease_s
         # Forget what can no longer matter: tickets older than ttl are refused as expired anyway.
         self._admitted = {k: exp for k, exp in self._admitted.items() if exp >= now}
