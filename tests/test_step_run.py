@@ -18,7 +18,6 @@ from cpattn.cluster.client_run import BegunStep, PendingCommit
 from cpattn.cluster.data_plane import WireError
 from cpattn.cluster.messages import EndStepReply
 from cpattn.cluster.step_run import MAX_RECOVERIES, StepRun, finish_deferred_commit
-from cpattn.cluster.wire_messages import HEADER_BYTES, LayerMessage
 from cpattn.errors import (AccessDeniedError, IncompleteStepError, InvalidRequestError, ServiceError,
                            ShardLostError, StepFencedError)
 
@@ -371,20 +370,3 @@ def test_a_step_opens_once_and_attends_only_while_open():
         run.attend(0, *qkv(0))
     run.end()
     assert len(host.calls) == calls
-
-
-# The wire message -----------------------------------------------------------------------------------------------
-def test_a_layer_message_packs_once_behind_its_header():
-    q, k, v = qkv(7)
-    message = LayerMessage(q, k, v, torch.device("cpu"))
-    packed = message.packed()
-    assert torch.equal(packed, torch.cat([q, k, v], dim=1)) and message.packed() is packed
-    buffer = message.stamped(1, 5, 42)
-    assert buffer.dtype == torch.uint8 and buffer.numel() == HEADER_BYTES + packed.numel() * 8
-    assert buffer[:HEADER_BYTES].view(torch.int64).tolist() == [1, 5, 42, T]
-    assert buffer[HEADER_BYTES:].data_ptr() == packed.data_ptr()
-    kept = message.keep()
-    assert torch.equal(kept.q, q) and torch.equal(kept.k, k) and torch.equal(kept.v, v)
-    assert kept.q.data_ptr() == packed.data_ptr()   # views of the one buffer, the caller's tensors let go
-    blank = LayerMessage.blank(T, HQ + 2 * HK, D, torch.float64, torch.device("cpu"))
-    assert blank.stamped(3, -1, 9).numel() == buffer.numel() and not bool(blank.packed().any())

@@ -66,3 +66,53 @@ class LayerMessage:
         message._qkv = message.buffer[HEADER_BYTES:].view(dtype).view(num_tokens, width, head_size)
         message.q = message.k = message.v = message._qkv
         return message
+
+
+TAG_BYTES = 8
+"""int64: data_plane.partial_tag(step, layer), last in a partial; missing when the message did not arrive whole."""
+
+
+class PartialMessage:
+    """One shard's computed rows of a layer as one message: out [R, Hq, D] in the activation dtype | lse [R, Hq]
+    natural log (float32; float64 for float64) | int64 tag. The receiver allocates it once and merges straight
+    from its ``out`` and ``lse`` views; the sender packs its rows into one with a single concatenation (``pack``)."""
+
+    def __init__(self, buffer: torch.Tensor, num_rows: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                 lse_dtype: torch.dtype):
+        out_bytes = num_rows * num_heads * head_size * _itemsize(dtype)
+        lse_bytes = num_rows * num_heads * _itemsize(lse_dtype)
+        self.buffer = buffer
+        self.out = buffer[:out_bytes].view(dtype).view(num_rows, num_heads, head_size)
+        self.lse = buffer[out_bytes:out_bytes + lse_bytes].view(lse_dtype).view(num_rows, num_heads)
+        self.tag = buffer[-TAG_BYTES:].view(torch.int64)
+        self._shape = (num_rows, num_heads, head_size, dtype, lse_dtype)
+
+    @classmethod
+    def empty(cls, num_rows: int, num_heads: int, head_size: int, dtype: torch.dtype, lse_dtype: torch.dtype,
+              device: torch.device) -> "PartialMessage":
+        """To receive into: its tag zeroed, so a message cut short reads as broken."""
+        nbytes = num_rows * num_heads * (head_size * _itemsize(dtype) + _itemsize(lse_dtype)) + TAG_BYTES
+        message = cls(torch.empty(nbytes, dtype=torch.uint8, device=device), num_rows, num_heads, head_size, dtype,
+                      lse_dtype)
+        message.tag.zero_()
+        return message
+
+    @staticmethod
+    def pack(out_RQD: torch.Tensor, lse_RQ: torch.Tensor, tag: int) -> torch.Tensor:
+        """The sender's message (uint8, on out's device): its rows, their lse and the tag, in one concatenation."""
+        tag_bytes = torch.tensor([tag], dtype=torch.int64).view(torch.uint8).to(out_RQD.device, non_blocking=True)
+        return torch.cat([out_RQD.contiguous().view(-1).view(torch.uint8),
+                          lse_RQ.contiguous().view(-1).view(torch.uint8), tag_bytes])
+
+    def to(self, device: torch.device) -> "PartialMessage":
+        """The same message on ``device`` (one copy; itself when it is there already)."""
+        buffer = self.buffer.to(device, non_blocking=True)
+        return self if buffer is self.buffer else PartialMessage(buffer, *self._shape)
+
+    def broken(self, tag: int) -> torch.Tensor:
+        """0-dim bool on the message's device: True when it did not arrive whole (its tag is not ``tag``)."""
+        return self.tag[0] != tag
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
