@@ -347,6 +347,19 @@ def test_the_wire_failing_after_outputs_is_never_replayed_silently():
     assert host.names().count("begin") == 1
 
 
+def test_an_unexpected_error_while_ending_rolls_back_and_frees_the_client():
+    # A shard died after the last layer, and rebuilding the group failed: the step must not stay open.
+    host = FakeHost(kv_replicas=2, end_step_of=[RECOVERED], rejoin=[ServiceError("could not rejoin")])
+    run = opened(host)
+    attend_all(run)
+    with pytest.raises(ServiceError, match="could not rejoin"):
+        run.end()
+    assert (run.state, run.ending) == ("rolled_back", "failed") and host.open_step is None
+    assert host.calls[-4:] == [("end_step_of", 101, True, False, True), ("rejoin",), ("release",),
+                               ("end_step_of", 101, False, False, True)]
+    assert "abort_wire" not in host.names()   # every layer was attended: the shards already left the step
+
+
 # Refusals change nothing ----------------------------------------------------------------------------------------
 def test_a_second_step_on_a_claimed_client_touches_nothing():
     host = FakeHost()

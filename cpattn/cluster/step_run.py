@@ -1,11 +1,13 @@
 """A step's life on the client, in one owner: its states, its recoveries and every way it ends.
 
-    new --open()--> open --attend()*--> ending --> committed        (commit waited for, or sent without waiting)
-     |               |  \\                   \\--> rolled_back      (NaN/inf seen on the device, the wire failed
-     |               |   \\--wire failed--> rejoin, begin again,     after outputs were handed out, the service
-     |               |       replay the layers (kv_replicas=2,      refused the commit: fenced, shard lost,
-     |               |       MAX_RECOVERIES), else rolled_back      lease lapsed)
-     |               \\--end(caller_failed) or layers missing--> rolled_back
+    new --open()--> open --end()--> ending --> committed    (commit waited for, or sent without waiting)
+     |               |                    \\--> rolled_back  (layers missing, NaN/inf seen on the device, the wire
+     |               |                                       failed after outputs were handed out, the service
+     |               |                                       refused: fenced, shard lost, lease lapsed)
+     |               |--the wire failed (in attend, or a shard lost after the last layer while ending)-->
+     |               |     the coordinator rolls back; kv_replicas=2: rejoin, begin again, replay the layers
+     |               |     attended (at most MAX_RECOVERIES times); kv_replicas=1: rolled_back
+     |               \\--end(caller_failed)--> rolled_back (silently: the caller's error is the one to see)
      \\--begin refused--> new (the claim released; nothing began)
 
 Its collaborators (the coordinator's calls, the data plane, the group) are the ``StepHost`` protocol
@@ -59,7 +61,7 @@ class StepRun:
         self.ending: str | None = None
         """How it ended: committed, commit_sent (async), rolled_back (the caller's error), incomplete, nonfinite,
         wire_after_outputs, gave_up (MAX_RECOVERIES), not_replayable (kv_replicas=1), refused (the service
-        raised: fenced, shard lost, lease lapsed ...)."""
+        raised: fenced, shard lost, lease lapsed ...), failed (an unexpected error while ending)."""
         # A detached coordinator can restart between a step's end and its commit: its callers must know the
         # outcome when the step ends (StepFencedError means run it again), so they always wait.
         self.sync_commit = sync_commit or not cfg.async_commit or cfg.detached
@@ -176,10 +178,19 @@ class StepRun:
         ``caller_failed``: the caller's own error is the one to see, so this rolls back silently."""
         if self.state != OPEN:
             return
-        cfg = self.host.config
         if caller_failed:
             self._abort(raise_errors=False, ending="rolled_back")
             return
+        self.state = ENDING
+        try:
+            self._finish()
+        except BaseException:
+            if self.state == ENDING:   # an error no ending expected (a rejoin that failed, a CUDA error): the
+                self._abort(raise_errors=False, ending="failed")   # client must not stay claimed by this step
+            raise
+
+    def _finish(self) -> None:
+        cfg = self.host.config
         if len(self.attended) != cfg.num_layers:
             missing = sorted(set(range(cfg.num_layers)) - self.attended)
             self._abort(raise_errors=True, ending="incomplete")
@@ -195,13 +206,8 @@ class StepRun:
             self._abort(raise_errors=True, ending="nonfinite")
             raise InvalidRequestError("q, k or v held NaN or inf in this step: it was rolled back so they never "
                                       "reach the KV cache (set nan_policy='allow' to accept them)")
-        self.state = ENDING
         if not self.sync_commit:
-            try:
-                self.host.commit_async(self.info.step_id, self.request, self.replay, self.timings)
-            except BaseException:
-                self._close(ROLLED_BACK, "refused")
-                raise
+            self.host.commit_async(self.info.step_id, self.request, self.replay, self.timings)
             self._close(COMMITTED, "commit_sent")
             return
         while True:
