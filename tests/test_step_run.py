@@ -246,7 +246,7 @@ def test_a_fenced_step_is_rolled_back_and_says_so():
     attend_all(run)
     with pytest.raises(StepFencedError, match="run the step again"):
         run.end()
-    assert (run.state, run.ending) == ("rolled_back", "refused") and host.open_step is None
+    assert (run.state, run.ending) == ("rolled_back", "fenced") and host.open_step is None
     assert "committed" not in host.names()
 
 
@@ -265,7 +265,7 @@ def test_a_lapsed_lease_at_the_commit_rolls_back():
     attend_all(run)
     with pytest.raises(AccessDeniedError, match="lease lapsed"):
         run.end()
-    assert (run.state, run.ending) == ("rolled_back", "refused") and host.open_step is None
+    assert (run.state, run.ending) == ("rolled_back", "lease_lapsed") and host.open_step is None
 
 
 # Shard losses ---------------------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_a_shard_lost_with_one_replica_raises_shard_lost_naming_the_sequences():
     with pytest.raises(ShardLostError, match=r"sequences \['a'\]") as info:
         run.attend(1, *qkv(1))
     assert info.value.sequences == ["a"]
-    assert (run.state, run.ending) == ("rolled_back", "refused") and host.open_step is None
+    assert (run.state, run.ending) == ("rolled_back", "shard_lost") and host.open_step is None
     assert run.attended == {0}
     run.end()   # the `with` block's exit after the error: nothing more happens
     assert host.names()[-1] == "release"

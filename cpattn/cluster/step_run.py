@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from cpattn.cluster.data_plane import WireError
 from cpattn.cluster.wire_messages import LayerMessage
-from cpattn.errors import CpattnError, IncompleteStepError, InvalidRequestError, ServiceError
+from cpattn.errors import (AccessDeniedError, CpattnError, IncompleteStepError, InvalidRequestError, ServiceError,
+                           ShardLostError, StepFencedError)
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +61,9 @@ class StepRun:
         self.state = NEW
         self.ending: str | None = None
         """How it ended: committed, commit_sent (async), rolled_back (the caller's error), incomplete, nonfinite,
-        wire_after_outputs, gave_up (MAX_RECOVERIES), not_replayable (kv_replicas=1), refused (the service
-        raised: fenced, shard lost, lease lapsed ...), failed (an unexpected error while ending)."""
+        wire_after_outputs, gave_up (MAX_RECOVERIES), not_replayable (kv_replicas=1), fenced (a coordinator
+        restart), shard_lost (KV lost: ShardLostError), lease_lapsed, refused (the service raised anything else),
+        failed (an unexpected error while ending)."""
         # A detached coordinator can restart between a step's end and its commit: its callers must know the
         # outcome when the step ends (StepFencedError means run it again), so they always wait.
         self.sync_commit = sync_commit or not cfg.async_commit or cfg.detached
@@ -136,8 +138,8 @@ class StepRun:
         """Roll the broken step back; if the service recovered every sequence of it, begin again and replay."""
         try:
             self._end(False, why)
-        except BaseException:
-            self._close(ROLLED_BACK, "refused")
+        except BaseException as exc:
+            self._close(ROLLED_BACK, _refusal(exc))
             raise
         self._restart(why)
 
@@ -214,8 +216,8 @@ class StepRun:
             # The shards ended the step after the last layer; the coordinator commits it.
             try:
                 report = self._end(True, None)
-            except BaseException:
-                self._close(ROLLED_BACK, "refused")
+            except BaseException as exc:
+                self._close(ROLLED_BACK, _refusal(exc))
                 raise
             if not report.recovered:
                 break
@@ -264,6 +266,15 @@ class StepRun:
         except CpattnError:
             if raise_errors:
                 raise
+
+
+def _refusal(exc: BaseException) -> str:
+    """The ending of a step whose rollback or commit the service refused with ``exc``."""
+    if isinstance(exc, StepFencedError):
+        return "fenced"
+    if isinstance(exc, ShardLostError):
+        return "shard_lost"
+    return "lease_lapsed" if isinstance(exc, AccessDeniedError) and "lease lapsed" in str(exc) else "refused"
 
 
 def finish_deferred_commit(host: StepHost, pending: PendingCommit) -> None:
