@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import service_config
 from cpattn.cluster.authority import UNKNOWN_CLIENT
 from cpattn.cluster.client_run import BegunStep, PendingCommit
 from cpattn.cluster.data_plane import WireError
@@ -20,8 +21,9 @@ from cpattn.cluster.messages import EndStepReply
 from cpattn.cluster.step_run import MAX_RECOVERIES, StepRun, finish_deferred_commit
 from cpattn.errors import (AccessDeniedError, IncompleteStepError, InvalidRequestError, ServiceError,
                            ShardLostError, StepFencedError)
+from cpattn.step import Step
 
-HQ, HK, D, LAYERS = 2, 1, 4, 3
+HQ, HK, D, LAYERS = 4, 2, 8, 3
 REQUEST = {"a": 2, "b": 1}
 T = sum(REQUEST.values())
 RECOVERED = EndStepReply(recovered=True, failure="shard 1 died")
@@ -44,6 +46,7 @@ class FakeHost:
         self.config = SimpleNamespace(num_layers=LAYERS, kv_replicas=kv_replicas, async_commit=async_commit,
                                       detached=False, num_q_heads=HQ, num_kv_heads=HK)
         self.device = torch.device("cpu")
+        self.runs_ahead = False   # read by the public Step's layer-order check
         self.open_step = None
         self.nonfinite = False
         self.script = {name: list(answers) for name, answers in script.items()}
@@ -383,3 +386,25 @@ def test_a_step_opens_once_and_attends_only_while_open():
         run.attend(0, *qkv(0))
     run.end()
     assert len(host.calls) == calls
+
+
+def test_the_public_step_refuses_bad_inputs_before_its_run_sends_anything():
+    host = FakeHost()
+    host.config = service_config(num_layers=LAYERS, num_q_heads=HQ, num_kv_heads=HK, head_size=D, async_commit=False)
+    with Step(host, dict(REQUEST)) as step:
+        q, k, v = qkv(0)
+        with pytest.raises(InvalidRequestError, match=r"q has shape \(2, 4, 8\), expected \(3, 4, 8\)"):
+            step.attend(0, q[:2], k, v)
+        with pytest.raises(InvalidRequestError, match="layer 7 out of range"):
+            step.attend(7, q, k, v)
+        bad = q.clone()
+        bad[0, 0, 0] = float("nan")
+        with pytest.raises(InvalidRequestError, match="q holds NaN or inf"):
+            step.attend(0, bad, k, v)
+        assert "attend" not in host.names() and step._run.attended == set()
+        for layer in range(LAYERS):
+            q, k, v = qkv(layer)
+            assert torch.equal(step.attend(layer, q, k, v), 2 * q)
+    assert (step._run.state, step.recoveries, step._info.step_id) == ("committed", 0, 101)
+    assert step.timings is step._run.timings and step.timings["plan_s"] == 0.25   # one dict, completed in place
+
