@@ -127,3 +127,12 @@ def test_attention_ops_imports_nothing_above_it():
     for module in sorted(floor):
         above = {t for t in graph[module] if t not in allowed and not t.startswith("cpattn.kvstore")}
         assert not above, f"{module} imports {sorted(above)} from above the ops floor"
+
+
+def test_cluster_never_imports_the_public_face():
+    """cluster/ sits below the public face: a step's life is owned there (cluster/step_run.py), so nothing in it
+    calls back up into cpattn.step or cpattn.client (gateway.flush once imported cpattn.step inside a method)."""
+    graph = import_graph()
+    public = {"cpattn", "cpattn.step", "cpattn.client", "cpattn.step_inputs"}
+    for module in sorted(m for m in graph if m.startswith("cpattn.cluster")):
+        assert not graph[module] & public, f"{module} imports {sorted(graph[module] & public)} from above cluster/"

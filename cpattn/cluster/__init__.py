@@ -11,6 +11,9 @@ Which process runs each file (a file in two columns is shared code, imported by 
     gateway.py      steps, the wire            client_registry.py  clients      shard_graphs.py  a step as a graph
     client_group.py   join, leave, rejoin      sequence_table.py   sequences    fencing.py      old steps fenced
     client_run.py   decode runs, one step      open_steps.py   open steps       layer_runner.py per-layer work
+    step_run.py     a step's life (StepRun)
+    step_host.py    what StepRun calls
+    wire_messages.py  q|k|v packed once                                         wire_messages.py  its header
     client_graphs.py  the layer as a graph     step_ledger.py  a step's life    decode_graphs.py  CUDA graphs
     client_device.py  device, wire, IPC        generations.py  epoch, restarts  data_plane.py   the wire
     netstore.py     the group's rendezvous     decode_run.py   decode runs      netbind.py      bind address

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
+import ray
+
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
 from cpattn.cluster.messages import EndStepReply, StepPlans
 from cpattn.cluster.rpc import call
 from cpattn.errors import InvalidRequestError, ServiceError, ShardLostError
 
 if TYPE_CHECKING:
-    import torch
+    from cpattn.cluster.step_run import Replay
 
 logger = logging.getLogger("cpattn")
 
@@ -58,8 +60,8 @@ class PendingCommit:
 
     step_id: int
     request: dict[str, int]
-    replay: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None
-    """(layer, q|k|v, sinks) of every attended layer (kv_replicas=2)."""
+    replay: Replay | None
+    """(layer, its q|k|v message, sinks) of every attended layer (kv_replicas=2)."""
     timings: dict[str, float]
     """The Step's own timings dict: completed in place when the answer is read."""
     ref: Any
@@ -211,6 +213,17 @@ class RunControl:
             self.run_length = 2 * run.num_steps
             step_id, done, earlier = run.first_step_id, run.num_steps, run.timings
         self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done), earlier)
+
+    def read_commit(self, pending: PendingCommit) -> EndStepReply:
+        """The answer to a commit sent without waiting; a detached coordinator that restarted meanwhile is asked
+        again (its journal knows whether the step committed)."""
+        cfg = self.config
+        try:
+            return call(pending.ref, cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step")
+        except ServiceError as exc:
+            if not (cfg.detached and isinstance(exc.__cause__, ray.exceptions.RayActorError)):
+                raise
+            return self.end_step(pending.step_id, True, None)   # the coordinator restarted: ask the new one
 
     def end_step_of(self, step_id: int, commit: bool, why: str | None, shards_waiting: bool = False
                     ) -> EndStepReply:

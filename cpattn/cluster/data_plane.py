@@ -7,7 +7,8 @@ GPU of its own (tensors stay on the GPUs); gloo on CPU and when ranks share a GP
 ranks on one GPU hangs), staging CUDA tensors through the host. Shards on the client's own GPU are
 not in the group at all: the client computes their share in its process (cluster.gateway).
 
-Wire protocol per layer: one broadcast out, one point-to-point message back per rank with rows.
+Wire protocol per layer: one broadcast out, one point-to-point message back per rank with rows (both typed
+in cluster/wire_messages.py: LayerMessage, PartialMessage).
   message  uint8 [32 + T (Hq + 2 Hk) D itemsize] = int64 header (command, layer, step_id, T) | q|k|v
            broadcast from rank 0; an ABORT message has the same size, its payload unused
   partial  uint8 [R (Hq D itemsize + Hq lse_itemsize) + 8] = out [R, Hq, D] in the activation dtype |
@@ -34,7 +35,10 @@ import torch
 import torch.distributed as dist
 
 from cpattn.cluster.netbind import use_nccl_interface
+# HEADER_BYTES and TAG_BYTES are read from here by the graph modules (client_graphs, shard_graphs) too.
+from cpattn.cluster.wire_messages import HEADER_BYTES, TAG_BYTES, LayerMessage, PartialMessage  # noqa: F401
 from cpattn.errors import ConfigError, CpattnError, DataPlaneError
+
 
 class WireError(Exception):
     """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
@@ -44,8 +48,6 @@ CMD_ATTEND = 1
 CMD_ABORT = 3
 CMD_NEXT = 4   # run header: the run's next step follows
 CMD_END = 5    # run header: the run ends here
-HEADER_BYTES = 32
-TAG_BYTES = 8
 
 
 def partial_tag(step_id: int, layer: int) -> int:
@@ -178,16 +180,9 @@ class DataPlane:
             tensor.copy_(wire)
         return tensor
 
-    def send_layer(self, command: int, layer: int, step_id: int, packed_TXD: torch.Tensor) -> None:
-        """Rank 0: one broadcast carrying the header and the layer's packed q|k|v."""
-        payload = packed_TXD.detach().contiguous().view(-1).view(torch.uint8)
-        message = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=payload.device)
-        # non_blocking: a blocking host-to-device copy synchronises the stream, i.e. waits for the previous
-        # layer's partials every layer (measured: 0.86 ms per layer at 128K on 2 H200s).
-        message[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([command, layer, step_id, packed_TXD.shape[0]], dtype=torch.int64), non_blocking=True)
-        message[HEADER_BYTES:].copy_(payload)
-        self.broadcast(message)
+    def send_layer(self, message: LayerMessage, command: int, layer: int, step_id: int) -> None:
+        """Rank 0: one broadcast carrying the header and the layer's q|k|v, packed once in the message itself."""
+        self.broadcast(message.stamped(command, layer, step_id))
 
     def recv_layer(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[tuple[int, int, int, int], torch.Tensor]:
@@ -230,32 +225,24 @@ class DataPlane:
                 message[HEADER_BYTES:].view(dtype).view(num_tokens, num_heads, head_size))
 
     def send_partial(self, out_RQD: torch.Tensor, lse_RQ: torch.Tensor, tag: int) -> None:
-        """A shard: its computed rows to rank 0 as one message (out bytes | lse bytes | int64 tag)."""
-        tag_bytes = torch.tensor([tag], dtype=torch.int64).view(torch.uint8).to(out_RQD.device, non_blocking=True)
-        message = torch.cat([out_RQD.contiguous().view(-1).view(torch.uint8),
-                             lse_RQ.contiguous().view(-1).view(torch.uint8), tag_bytes])
-        self._run(self.group.send([self._wire(message)], 0, 0))
+        """A shard: its computed rows to rank 0 as one message (wire_messages.PartialMessage)."""
+        self._run(self.group.send([self._wire(PartialMessage.pack(out_RQD, lse_RQ, tag))], 0, 0))
 
     def recv_partial(self, src: int, num_rows: int, num_heads: int, head_size: int, dtype: torch.dtype,
                      lse_dtype: torch.dtype, device: torch.device,
                      tag: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rank 0: rank ``src``'s partial, out [R, Q, D] and lse [R, Q] on ``device``, and a 0-dim bool that
-        is True when the message did not arrive whole (its tag is missing: the sender died or was aborted).
+        """Rank 0: rank ``src``'s partial, out [R, Q, D] and lse [R, Q] on ``device`` (views of the one message
+        received), and a 0-dim bool that is True when the message did not arrive whole (its tag is missing: the
+        sender died or was aborted).
 
         With NCCL nothing here waits on the host, so a dead peer is seen only through that flag, which
         the step reads once at its end.
         """
-        out_bytes = num_rows * num_heads * head_size * torch.empty(0, dtype=dtype).element_size()
-        lse_bytes = num_rows * num_heads * torch.empty(0, dtype=lse_dtype).element_size()
         wire_device = device if self.backend == "nccl" else torch.device("cpu")
-        message = torch.empty(out_bytes + lse_bytes + TAG_BYTES, dtype=torch.uint8, device=wire_device)
-        message[-TAG_BYTES:].zero_()
-        self._run(self.group.recv([message], src, 0))
-        message = message.to(device, non_blocking=True)
-        out = message[:out_bytes].view(dtype).view(num_rows, num_heads, head_size)
-        lse = message[out_bytes:out_bytes + lse_bytes].view(lse_dtype).view(num_rows, num_heads)
-        broken = message[-TAG_BYTES:].view(torch.int64)[0] != tag
-        return out, lse, broken
+        message = PartialMessage.empty(num_rows, num_heads, head_size, dtype, lse_dtype, wire_device)
+        self._run(self.group.recv([message.buffer], src, 0))
+        message = message.to(device)
+        return message.out, message.lse, message.broken(tag)
 
     def abort(self) -> None:
         """Unblock whatever waits on this group (NCCL: abort the communicator); the group is unusable after."""

@@ -36,6 +36,8 @@ from cpattn.cluster.decode_run_plans import use_block_tables
 from cpattn.cluster.lease import LeaseKeeper
 from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
+from cpattn.cluster.step_run import finish_deferred_commit
+from cpattn.cluster.wire_messages import LayerMessage
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
@@ -143,11 +145,8 @@ class Gateway(RunControl, GroupMembership):
                 commits, run.commits = run.commits, []
                 call(commits, self.config.rpc_timeout_s, "end_step")
         pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        from cpattn.step import finish_deferred_commit
-
-        finish_deferred_commit(self, pending)
+        if pending is not None:
+            finish_deferred_commit(self, pending)
 
     def committed(self, timings: dict[str, float], report: EndStepReply, earlier: list[dict] = ()) -> None:
         """Completes a committed step's timings (the Step's own dict, in place) with what the shards reported;
@@ -225,20 +224,29 @@ class Gateway(RunControl, GroupMembership):
             wire.norms = None if norms is None else self.client_graphs.norms
         return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire)
 
-    def attend(self, wire: StepWire, command: int, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
-               v_TKD: torch.Tensor, sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """One layer: broadcast to remote shards, compute the local ones, merge every partial here.
-        ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks)."""
+        ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks).
+        A torch.distributed failure (DistBackendError, gloo/NCCL) is a WireError; the group is unusable after it."""
+        try:
+            return self._attend(wire, layer, message, sinks_Q)
+        except RuntimeError as exc:
+            self.plane_broken = True
+            raise WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
+
+    def _attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None
+                ) -> torch.Tensor:
         cfg = self.config
-        q, k, v = (x.to(self.device, non_blocking=True) for x in (q_TQD, k_TKD, v_TKD))
-        if wire.graphs is not None and command == CMD_ATTEND and sinks_Q is None:
+        q, k, v = message.q, message.k, message.v
+        if wire.graphs is not None and sinks_Q is None:
             return wire.graphs.run(layer, q, k, v)
         if self.plane is not None or wire.norms is not None:
-            packed = torch.cat([q, k, v], dim=1)
-            if wire.norms is not None and command == CMD_ATTEND:
+            packed = message.packed()   # q|k|v concatenated once, in the wire message itself
+            if wire.norms is not None:
                 torch.linalg.vector_norm(packed, math.inf, dtype=torch.float32, out=wire.norms[layer])
             if self.plane is not None:
-                self.plane.send_layer(command, layer, wire.step_id, packed)
+                self.plane.send_layer(message, CMD_ATTEND, layer, wire.step_id)
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
         dtype, lse_dtype = cfg.torch_dtype, lse_wire_dtype(cfg.torch_dtype)
         for i, r in enumerate(self.remote):
@@ -263,13 +271,13 @@ class Gateway(RunControl, GroupMembership):
         if self.plane is None:
             return
         cfg = self.config
-        unused = torch.zeros(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
-                             dtype=cfg.torch_dtype, device=self.device)
+        unused = LayerMessage.blank(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
+                                    cfg.torch_dtype, self.device)
         if not self.runs_ahead:
-            self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+            self.plane.send_layer(unused, CMD_ABORT, -1, wire.step_id)
             return
         for _ in range(remaining):
-            self.plane.send_layer(CMD_ABORT, -1, wire.step_id, unused)
+            self.plane.send_layer(unused, CMD_ABORT, -1, wire.step_id)
             for i, r in enumerate(self.remote):
                 if r in wire.remote_rows:
                     rows = wire.remote_rows[r]
