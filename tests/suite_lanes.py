@@ -29,8 +29,6 @@ ALONE_MODULES = {
     "test_multihost_netns.py",          # partitions shorter/longer than shard_hang_timeout_s; step error bound
     "test_reliability_chaos.py",        # kills under traffic; restarts within 60 s
     "test_reliability_shard_loss.py",   # replacement and step-error bounds
-    "test_reliability_tenants.py",      # leases (reclaimed within 2 leases), join_timeout_s + 10 s
-    "test_reliability_authority.py",    # a refused join within 3 s
     "test_coordinator_restart.py",      # replacement refilled before the step settles
     "test_service_failures.py",         # rpc_timeout_s=5 bounds
     "test_data_plane.py",               # kill mid-step with collective_timeout_s=5
@@ -38,6 +36,11 @@ ALONE_MODULES = {
     "test_user_errors.py",              # a CLI error within 10 s (5 s in-process)
 }
 ALONE_TESTS = (
+    "test_reliability_tenants.py::test_open_steps_are_capped_and_never_starve_the_health_check",   # hang 1 s
+    "test_reliability_tenants.py::test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retry_works",
+    "test_reliability_tenants.py::test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_periods",
+    "test_reliability_tenants.py::test_joins_that_never_finish_cannot_hold_the_shards_threads",   # join_timeout + 10
+    "test_reliability_authority.py::test_an_expired_ticket_and_the_join_limits_in_process",   # joins end in 3 s
     "test_multinode.py::test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact",
     "test_cli.py::test_serve_embedded_stops_cleanly_however_it_is_told",          # exits within 10 s of a signal
     "test_service_window_fp8.py::test_fp8_cache_with_replicas_survives_a_killed_shard",
@@ -99,7 +102,8 @@ class Lanes:
                 fcntl.flock(self._turnstile, fcntl.LOCK_UN)
 
 
-# Rough serial seconds per module on an idle 2-core machine (the heaviest; others count as 5): the order in which
+# Rough serial seconds per module on an idle 2-core machine (the heaviest; others count as 5; the light ones scaled
+# from a run under load): the order in which
 # the workers take modules. Modules with alone tests go first, each followed by light modules that can run beside
 # it, then the heavy ones, largest first, so that the run does not end on one long module with the other worker idle.
 MODULE_SECONDS = {
@@ -109,6 +113,9 @@ MODULE_SECONDS = {
     "test_service_failures.py": 45, "test_data_plane.py": 45, "test_service_e2e.py": 45,
     "test_reliability_shard_loss.py": 40, "test_user_errors.py": 30, "test_readme.py": 30,
     "test_long_context_job_modes.py": 25, "test_service_window_fp8.py": 25, "test_decode_runs.py": 20,
+    # light
+    "test_dcp_single_process.py": 110, "test_decode_fold.py": 18, "test_fp8_kv_cache.py": 11,
+    "test_decode_run_plans.py": 5,
 }
 
 

@@ -37,6 +37,7 @@ def test_lane_of_a_node_id():
     assert lane("tests/test_cli.py::test_serve_embedded_stops_cleanly_however_it_is_told") == "alone"
     assert lane("tests/test_cli.py::test_readme_cluster_walkthrough") == "heavy"
     assert lane("tests/test_kvstore.py::test_x[1-2]") == "light"
+    assert lane("tests/test_reliability_authority.py::test_the_actors_expose_only_their_tables") == "heavy"
 
 
 def _acquired_within(lanes: Lanes, kind: str, seconds: float) -> tuple[bool, threading.Event]:
