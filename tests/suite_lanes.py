@@ -6,9 +6,10 @@ Every test is in one of three lanes:
 - ``alone``: its claim includes a wall-clock bound or rides a short timeout (a killed shard's replacement within
   END_STEP_SETTLE_S, a step error within collective_timeout_s + 10 s, a CLI error within 10 s, a partition
   shorter than shard_hang_timeout_s). It runs while no other Ray or subprocess test runs; a ``light`` test may
-  run beside it (one process, no Ray, one torch thread: what a CI machine's background costs anyway).
+  run beside it, at the lowest CPU priority (nice 19), so it takes only the CPU the alone test leaves idle.
 - ``heavy``: starts Ray, a service or subprocesses, with generous timeouts only; two run at once.
-- ``light``: in-process, no Ray: runs beside anything.
+- ``light``: in-process, no Ray, one torch thread, nice 19 while it runs (as root, as on CI; without the
+  privilege to return to the previous priority it runs as it is): runs beside anything.
 
 The lanes are a readers-writer lock over two files (fcntl.flock, released by the kernel if a worker dies): heavy
 tests share it, an alone test holds it exclusively, light tests never touch it. A turnstile makes a waiting alone
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 from pathlib import Path
 
 # Modules whose every test is alone; single tests by node-id suffix below.
@@ -86,7 +88,8 @@ class Lanes:
     @contextlib.contextmanager
     def hold(self, kind: str):
         if kind == "light":
-            yield
+            with _lowest_priority():
+                yield
             return
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         try:
@@ -130,3 +133,17 @@ def module_order(modules: list[str], kinds: dict[str, set[str]]) -> list[str]:
         order.append(module)
         order.extend(light[i::len(with_alone)])
     return order + heavy if with_alone else light + heavy
+
+
+@contextlib.contextmanager
+def _lowest_priority():
+    """This thread (the test's; torch runs one thread) at nice 19 for the block, when it may go back after."""
+    if os.geteuid() != 0:
+        yield
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)   # Linux: 0 is the calling thread
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)

@@ -69,3 +69,15 @@ def test_alone_excludes_heavy_and_lets_light_pass(tmp_path):
         alone_in, _ = _acquired_within(third, "alone", 0.5)
         assert not alone_in
     suite_lanes.remove(base)
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="going back to a lower nice value needs root")
+def test_a_light_test_runs_at_nice_19_and_gets_its_priority_back(tmp_path):
+    import os
+
+    lanes = Lanes(tmp_path / "lanes")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with lanes.hold("light"):
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 19
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    suite_lanes.remove(tmp_path / "lanes")
