@@ -17,6 +17,9 @@ test go next instead of waiting for a gap between heavy tests. The lock covers e
 call, teardown), so module fixtures (a service, the netns cluster) start and stop under their first and last
 test's lane. Only xdist workers take lanes: a plain `pytest tests/x.py`, and a pytest that a test starts as a
 subprocess (it inherits the worker's environment), run as they always did.
+
+A module listed nowhere is heavy: a new test with a time bound (or a short timeout it must not miss) belongs in
+ALONE_MODULES or ALONE_TESTS, a new in-process module without Ray in LIGHT_MODULES.
 """
 
 from __future__ import annotations
