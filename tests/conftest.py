@@ -6,6 +6,61 @@ import logging
 
 import pytest
 
+import suite_lanes
+
+
+def pytest_configure(config):
+    """Under xdist (scripts/test.sh): each worker's lanes (tests/suite_lanes.py); the controller names the run."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        import torch
+
+        torch.set_num_threads(1)   # two workers on two cores: one torch thread each
+        config.stash[_LANES] = suite_lanes.Lanes(suite_lanes.lock_base(workerinput["testrunuid"]))
+    elif getattr(config.option, "numprocesses", None):
+        import uuid
+
+        config.option.testrunuid = config.option.testrunuid or uuid.uuid4().hex   # known here, for the cleanup
+        # Before the workers start: the token Ray's first local start would write (~/.ray/auth_token), written
+        # once here, so that two workers starting Ray at once cannot each write a different one.
+        from ray._private.authentication.authentication_token_setup import generate_and_save_token
+        from ray._raylet import AuthenticationTokenLoader
+
+        if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+            generate_and_save_token()
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "workerinput", None) is None and getattr(config.option, "testrunuid", None):
+        suite_lanes.remove(suite_lanes.lock_base(config.option.testrunuid))
+
+
+_LANES = pytest.StashKey()
+
+
+def pytest_collection_modifyitems(config, items):
+    """In xdist workers: modules in the order of suite_lanes.module_order (tests keep their order in a module)."""
+    if getattr(config, "workerinput", None) is None:
+        return
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    kinds = {path: {suite_lanes.lane(i.nodeid) for i in group} for path, group in by_module.items()}
+    ordered = [item for path in suite_lanes.module_order(list(by_module), kinds) for item in by_module[path]]
+    assert len(ordered) == len(items)
+    items[:] = ordered
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's setup, call and teardown in its lane: only in an xdist worker."""
+    lanes = item.config.stash.get(_LANES, None)
+    if lanes is None:
+        yield
+        return
+    with lanes.hold(suite_lanes.lane(item.nodeid)):
+        yield
+
 
 @pytest.fixture(scope="session")
 def ray_session():

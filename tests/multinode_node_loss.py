@@ -23,15 +23,24 @@ def main() -> int:
     import cpattn
 
     # The head runs the driver and the coordinator (0 CPUs: no shard bundle lands there).
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # Ray declares a node dead after health_check_failure_threshold failed checks health_check_period_ms apart (5 x 3 s
+    # by default); 3 x 1 s here, so the test waits ~3 s instead of ~15 s for what it tests: the service's response.
+    # A live raylet still has health_check_timeout_ms (10 s) to answer each check.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     try:
-        workers = [cluster.add_node(num_cpus=1) for _ in range(3)]
+        # Four one-CPU nodes for three shards: the one left free is the spare that takes the lost shard's place
+        # (started with the others, not after the first steps: one node start less to wait for).
+        workers = [cluster.add_node(num_cpus=1) for _ in range(4)]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="cpattn", logging_level=logging.WARNING, log_to_driver=False)
         cfg = cpattn.ServiceConfig(
             num_shards=3, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4, dtype="float64",
             num_blocks_per_shard=64, num_cpus_per_shard=1, placement_strategy="SPREAD", kv_replicas=2,
-            pcp_min_tokens=8, name="cpattn-node-loss", rpc_timeout_s=60.0, collective_timeout_s=20.0,
+            pcp_min_tokens=8, name="cpattn-node-loss", rpc_timeout_s=60.0,
+            # The step in flight when the node goes ends by this timeout (the lost shard is silent): 8 s, as the
+            # other kill tests' 5 s, with room for a loaded machine; a healthy step's collectives take milliseconds.
+            collective_timeout_s=8.0,
             health_check_interval_s=0.5, start_timeout_s=120.0,
             # The commit's outcome at the step's end: a step the service ends with "run it again" (the lost node's
             # shard is silent, not yet replaced) then fails inside step() below, which runs it again.
@@ -70,8 +79,7 @@ def main() -> int:
 
             step({sids[0]: 21, sids[1]: 5})
             step({sids[0]: 1, sids[1]: 1})
-            spare = cluster.add_node(num_cpus=1)          # room for the replacement
-            cluster.wait_for_nodes()
+            spare = next(w for w in workers if w.node_id not in shard_nodes)   # room for the replacement
             victim = next(w for w in workers if w.node_id in shard_nodes and w.node_id != coordinator_node)
             cluster.remove_node(victim, allow_graceful=False)
             # The lost node's worker processes can outlive its raylet for a while; keep stepping (each step
