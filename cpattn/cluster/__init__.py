@@ -14,6 +14,8 @@ Which process runs each file (a file in two columns is shared code, imported by 
     step_run.py     a step's life (StepRun)
     step_host.py    what StepRun calls
     wire_messages.py  q|k|v packed once                                         wire_messages.py  its header
+    decode_run_plans.py  a run's steps built   decode_run_plans.py              decode_run_plans.py  a run's
+      as reached (RunSteps)                      a run planned at once            steps built as reached
     client_graphs.py  the layer as a graph     step_ledger.py  a step's life    decode_graphs.py  CUDA graphs
     client_device.py  device, wire, IPC        generations.py  epoch, restarts  data_plane.py   the wire
     netstore.py     the group's rendezvous     decode_run.py   decode runs      netbind.py      bind address
@@ -34,5 +36,6 @@ A map rather than client/, coordinator/, shard/ subpackages: a file that moves c
 not its import path (the decode work of issue 18 moved several). Mixins that split a large actor or client
 class by concern keep that class's name: ShardWorker = ShardKVPages + ShardGroups + the step loop; Gateway =
 GroupMembership + RunControl + a step's wire; Coordinator = SequenceMethods + the rest.
-attention/ and kvstore/ below this package never import Ray; nothing here imports launch/.
+attention/ and kvstore/ below this package never import Ray; nothing here imports launch/. Messages that carry
+CPU tensors pickle them as numpy arrays (cpattn/array_pickle.py).
 """
