@@ -3,9 +3,11 @@
 Every row is measured the way a user runs it: ``cpattn.start``, ``svc.step``, ``step.attend`` with q/k/v
 already on the client's GPU (cuda:0, where the model would run), whole steps of ``--layers`` layers
 (fewer where the KV of that many layers does not fit; the row says how many), wall time from
-``svc.step(...)`` to the end of the ``with`` block, after the GPU finished. The plan's Ray round trip
-per step is in the row (``plan_ms_per_step``) so ms/layer at another depth can be derived.
-The kernel column is one backend call on one GPU over the same shape (CUDA events, median).
+``svc.step(...)`` to the end of the ``with`` block, after the GPU finished. Per step, the row has the planning
+(``plan_ms_per_step``: the coordinator's begin_step and the shards' plans) and the caller's wall time to open the
+step (``begin_ms_per_step``: what the client's path pays before its first attend), so ms/layer at another depth
+can be derived. The kernel columns are one backend call on one GPU over the same shape (CUDA events, median):
+eager (launches included) and replayed from a CUDA graph (the kernels alone).
 
     python benchmarks/cp_scaling.py [--gpus 1,2] [--layers 32] [--cases decode_1m,...] [--json PATH]
     python benchmarks/cp_scaling.py --smoke     # tiny shapes on the CPU (TORCH, gloo): the test suite runs it
@@ -112,8 +114,10 @@ def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
     return case.batch * (case.context + case.new) * _kv_bytes_per_token_layer(case) <= budget_gb * 2**30
 
 
-def kernel_ms(case: Case, backend: str, repeats: int) -> float:
-    """One backend call on cuda:0 over the whole (unsharded) batch: causal, context + new tokens."""
+def kernel_ms(case: Case, backend: str, repeats: int) -> tuple[float, float]:
+    """One backend call on cuda:0 over the whole (unsharded) batch: causal, context + new tokens. Returns the
+    eager call (launches included, as a caller without graphs pays them) and the same call replayed from a CUDA
+    graph (the kernels alone, as the service's graphed decode runs them; nan where the call cannot be captured)."""
     from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
     cls = get_attn_backend(backend, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ,
@@ -134,24 +138,41 @@ def kernel_ms(case: Case, backend: str, repeats: int) -> float:
     impl = cls.get_impl_cls()(spec)
     t = case.batch * case.new
     q, k, v = (torch.randn(t, h, D, device=DEVICE, dtype=DTYPE) for h in (HQ, HK, HK))
+    call = lambda: impl.forward(0, q, k, v, cache, md, **extra)   # noqa: E731
+    eager = _median_ms(call, repeats)
+    graphed = float("nan")
+    if DEVICE == "cuda":
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            graphed = _median_ms(graph.replay, repeats)
+        except Exception as exc:   # a backend whose call cannot be captured: the eager column stands alone
+            print(f"  ({case.name}: {backend} not captured: {type(exc).__name__}: {str(exc)[:120]})")
+        del graph
+    del cache
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return eager, graphed
+
+
+def _median_ms(call, repeats: int) -> float:
+    """Median of ``repeats`` calls after two warm-ups: CUDA events on the GPU, wall time on the CPU."""
     times = []
     for i in range(repeats + 2):
         if DEVICE == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            impl.forward(0, q, k, v, cache, md, **extra)
+            call()
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            impl.forward(0, q, k, v, cache, md, **extra)
+            call()
             elapsed = 1e3 * (time.perf_counter() - t0)
         if i >= 2:
             times.append(elapsed)
-    del cache
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     return statistics.median(times)
 
 
@@ -243,7 +264,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         seqs = [svc.add_sequence() for _ in range(case.batch)]
         for i, s in enumerate(seqs):
             svc.fill_synthetic(s, case.context, seed=i)
-    walls, plans = [], []
+    walls, plans, begins = [], [], []
     for rep in range(repeats + 2):          # two warm-up steps: kernel JIT, NCCL communicators
         if not case.context:
             seqs = [svc.add_sequence() for _ in range(case.batch)]
@@ -255,6 +276,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         sync()
         wall = time.perf_counter() - t0
         plans.append(step.timings["plan_s"])   # every step: a decode run's first step carries its steps' plans
+        begins.append(step.timings["begin_s"])
         if rep >= 2:
             walls.append(wall)
         if not case.context:
@@ -270,16 +292,20 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
             "step_ms_median": 1e3 * statistics.median(walls), "decode_run_steps": svc.config.decode_run_steps,
-            "plan_ms_per_step": 1e3 * statistics.fmean(plans)}
+            "plan_ms_per_step": 1e3 * statistics.fmean(plans),
+            # The caller's wall time to open a step (issue 18's "plan on the client's path"): the run's begin_step
+            # round trip on its first step, the in-process shards' plans on every step.
+            "begin_ms_per_step": 1e3 * statistics.fmean(begins)}
 
 
 def _fmt(r: dict) -> str:
     return (f"{r['case']:>20} {r['gpus']:>4} {r['layers']:>6} {r['data_plane']:>6} {r['plan_ms_per_step']:>9.2f} "
-            f"{r['ms_per_layer']:>9.3f} {r.get('kernel_ms', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f}")
+            f"{r['begin_ms_per_step']:>10.2f} {r['ms_per_layer']:>9.3f} {r.get('kernel_ms', float('nan')):>9.3f} "
+            f"{r.get('kernel_graph_ms', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f}")
 
 
-HEADER = (f"{'case':>20} {'gpus':>4} {'layers':>6} {'wire':>6} {'plan/step':>9} {'ms/layer':>9} {'kernel':>9} "
-          f"{'x kern':>7}")
+HEADER = (f"{'case':>20} {'gpus':>4} {'layers':>6} {'wire':>6} {'plan/step':>9} {'begin/step':>10} {'ms/layer':>9} "
+          f"{'kernel':>9} {'graphed':>9} {'x kern':>7}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,12 +343,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_ray(None, "cpattn", num_cpus_hint=max(map(int, args.gpus.split(","))) * (1 if gpu else 0.25))
     kernels = {c.name: (kernel_ms(c, usable_backend(c.backend, c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
-                        else float("nan")) for c in cases}
+                        else (float("nan"), float("nan"))) for c in cases}
     planned = [p for gpus in map(int, args.gpus.split(","))
                for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke)]
     rows = []
     for row in service_rows(planned, args.repeats, concurrent_starts=args.smoke):
-        row["kernel_ms"] = kernels[row["case"]]
+        row["kernel_ms"], row["kernel_graph_ms"] = kernels[row["case"]]
         row["speedup"] = row["kernel_ms"] / row["ms_per_layer"]
         rows.append(row)
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))   # every row as it comes: a long run

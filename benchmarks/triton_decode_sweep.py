@@ -5,13 +5,15 @@ each (tile length, warps, stages, splits per SM) and checks each result against 
 configuration's output (a fast wrong tiling is not a candidate). Kernels are replayed from a CUDA graph
 (10 calls per replay), so the times are the kernels', not Python's.
 
-    python benchmarks/triton_decode_sweep.py [--contexts 131072,1048576] [--json PATH]
-Prints the best configurations per (context, dtype) and writes every row as JSON. GPU only.
+    python benchmarks/triton_decode_sweep.py [--contexts 131072,1048576] [--json PATH] [--goals-only]
+Prints the best configurations per (context, dtype), then issue 22's kernel goals at the longest context with the
+default configuration (fp8 e4m3 <= 0.6x bf16, a 4,096-key window <= 0.05 ms), and writes every row as JSON. GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -35,12 +37,34 @@ def _cache(n: int, fp8: bool, device):
     return q, cache, table, scales
 
 
-def _run(tk, q, cache, table, scales, n, splits, out, lse):
+def _run(tk, q, cache, table, scales, n, splits, out, lse, key_start=None):
     dev = q.device
     idx = torch.zeros(1, dtype=torch.int32, device=dev)
     lens = torch.full((1,), n, dtype=torch.int32, device=dev)
     tk.paged_decode(q, cache[0], cache[1], table, idx, idx, lens, splits, D ** -0.5, out, lse, all_rows=True,
-                    kv_scale=scales)
+                    kv_scale=scales, key_start=key_start)
+
+
+def goals(tk, n: int, dev, window: int = 4096) -> dict:
+    """Issue 22's kernel goals at ``n`` keys with the default configuration: fp8 e4m3 <= 0.6x bf16's time, a
+    ``window``-key sliding window <= 0.05 ms (it reads only the window's pages)."""
+    times = {}
+    for name, fp8, win in (("bf16", False, None), ("fp8_e4m3", True, None), (f"window_{window}", False, window)):
+        q, cache, table, scales = _cache(n, fp8, dev)
+        out = torch.empty(1, HQ, D, dtype=torch.bfloat16, device=dev)
+        lse = torch.empty(1, HQ, dtype=torch.float32, device=dev)
+        start = None if win is None else torch.full((1,), n - win, dtype=torch.int32, device=dev)
+        splits = tk.decode_num_splits(1, HK, n if win is None else win, dev)
+        times[name] = _time(functools.partial(_run, tk, q, cache, table, scales, n, splits, out, lse, start))
+        del cache, scales   # one 1M-key cache at a time
+        torch.cuda.empty_cache()
+    fp8_ratio = times["fp8_e4m3"] / times["bf16"]
+    result = dict(context=n, ms=times, fp8_over_bf16=fp8_ratio, fp8_goal_met=fp8_ratio <= 0.6,
+                  window_goal_met=times[f"window_{window}"] <= 0.05)
+    print(f"goals at {n} keys (default configuration): bf16 {times['bf16']:.3f} ms, fp8_e4m3 {times['fp8_e4m3']:.3f} ms "
+          f"({fp8_ratio:.2f}x; goal <= 0.6x: {'met' if result['fp8_goal_met'] else 'missed'}), window {window} "
+          f"{times[f'window_{window}']:.4f} ms (goal <= 0.05: {'met' if result['window_goal_met'] else 'missed'})")
+    return result
 
 
 def _time(fn, iters: int = 10, replays: int = 20) -> float:
@@ -63,6 +87,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="131072,1048576")
     parser.add_argument("--json", default="benchmarks/results/triton_decode_sweep.json")
+    parser.add_argument("--goals-only", action="store_true", help="only issue 22's goals at the longest context")
     args = parser.parse_args()
     from cpattn.attention.backends import triton_decode as tk
 
@@ -70,7 +95,7 @@ def main() -> int:
     base_cfg = dict(tk.DECODE_CONFIG)
     rows = []
     contexts = [int(c) for c in args.contexts.split(",")]
-    for n in contexts:
+    for n in [] if args.goals_only else contexts:
         for fp8 in (False, True) if n == max(contexts) else (False,):
             q, cache, table, scales = _cache(n, fp8, dev)
             out = torch.empty(1, HQ, D, dtype=torch.bfloat16, device=dev)
@@ -101,9 +126,11 @@ def main() -> int:
                 print("   ", {k: r[k] for k in ("ms", "block_n", "num_warps", "num_stages", "waves", "splits")})
             if default:
                 print("    (first at default waves)", {k: default[k] for k in ("ms", "block_n", "num_warps", "num_stages")})
+    tk.DECODE_CONFIG.update(base_cfg)
+    goal = goals(tk, max(contexts), dev)
     with open(args.json, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       rows=rows), f, indent=1)
+                       rows=rows, goals=goal), f, indent=1)
     print("wrote", args.json)
     return 0
 

@@ -7,7 +7,7 @@
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
 #   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows, soft caps, sinks per backend vs float64 (not
-#                                        # FlashInfer's: those run in the flashinfer part), TRITON speed at 1M keys
+#                                        # FlashInfer's: those run in the flashinfer part) (speed goals: python benchmarks/triton_decode_sweep.py --goals-only)
 # Extra arguments go to pytest. On the device machine, source /tmp/site/env.sh first (see its README).
 set -euo pipefail
 cd "$(dirname "$0")/.."

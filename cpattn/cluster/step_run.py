@@ -69,13 +69,14 @@ class StepRun:
         self.sync_commit = sync_commit or not cfg.async_commit or cfg.detached
         self.replay: Replay | None = [] if cfg.kv_replicas == 2 else None
         self.recoveries = 0
-        self.timings = {"plan_s": 0.0, "data_plane_s": 0.0}
+        self.timings = {"plan_s": 0.0, "begin_s": 0.0, "data_plane_s": 0.0}
 
     # Opening ----------------------------------------------------------------------------------------------------
     def open(self) -> None:
         if self.state != NEW:
             raise InvalidRequestError(f"this step is {self.state}: start a new one with svc.step(...)")
         host = self.host
+        t0 = time.perf_counter()
         if not self.claimed:
             host.claim(self)   # first: a second thread is refused before it touches anything
         try:
@@ -86,6 +87,7 @@ class StepRun:
             host.release(self)
             raise
         self.state = OPEN
+        self.timings["begin_s"] += time.perf_counter() - t0
 
     def _begin(self) -> None:
         for _ in range(MAX_RECOVERIES + 1):

@@ -12,8 +12,6 @@ Run: bash scripts/test_gpu.sh features   (FlashInfer's cases: bash scripts/test_
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -103,55 +101,6 @@ def test_triton_window_never_reads_pages_before_the_window():
         plan = cls.get_builder_cls()(s).build(0, md.to(DEVICE))
         outs.append(cls.get_impl_cls()(s).forward(0, b.q, b.k, b.v, cache.clone(), plan)[0])
     assert torch.equal(outs[0], outs[1]) and bool(outs[1].isfinite().all())
-
-
-def _time_decode(cls, b, window, fmt, iters=20):
-    from cpattn.attention import make_causal_metadata
-    from tests.kernel_feature_cases import to_fp8
-
-    md = make_causal_metadata(b.query_lens, b.context_lens, b.block_table.cpu(), b.block_size).to(DEVICE)
-    cache, scales = (b.kv_cache, None) if fmt is None else to_fp8(b.kv_cache, md.slot_mapping, b.k, b.v, fmt)
-    s = spec(b, b.q.dtype, DEVICE, window, None)
-    plan = cls.get_builder_cls()(s).build(0, md)
-    plan.has_writes = False                     # the kernel alone
-    impl = cls.get_impl_cls()(s)
-    extra = {} if scales is None else {"kv_scale": scales}
-    for _ in range(3):
-        impl.forward(0, b.q, b.k, b.v, cache, plan, **extra)
-    torch.cuda.synchronize()
-    # Replayed from a CUDA graph: the GPU's time, not Python's launch overhead (as the decode graphs run it).
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        impl.forward(0, b.q, b.k, b.v, cache, plan, **extra)
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
-
-
-def test_triton_decode_speed_fp8_and_window_at_1m():
-    """One 1M-token decode (32 q heads, 8 kv heads, D 128), kernels replayed from a CUDA graph: fp8 e4m3 <= 0.6x
-    bf16's kernel time, a 4,096-key window <= 0.05 ms (the issue's goals). Prints the times for RESULTS.md."""
-    from tests.gpu.batches import PagedBatch
-
-    cls = _backend_or_skip("TRITON", "fp8_e4m3", 4096, None)
-    n, hq, hk, d, ps = 1 << 20, 32, 8, 128, 16                       # cp_scaling's geometry
-    pages = n // ps + 1
-    g = torch.Generator(device=DEVICE).manual_seed(3)
-    cache = torch.randn(2, pages, ps, hk, d, generator=g, device=DEVICE, dtype=torch.bfloat16)
-    q, k, v = (torch.randn(1, h, d, generator=g, device=DEVICE, dtype=torch.bfloat16) for h in (hq, hk, hk))
-    table = torch.randperm(pages, device=DEVICE)[None]
-    b = PagedBatch(q, k, v, cache, table, [1], [n], ps)
-    bf16 = _time_decode(cls, b, None, None)
-    fp8 = _time_decode(cls, b, None, "fp8_e4m3")
-    windowed = _time_decode(cls, b, 4096, None)
-    print(f"TRITON decode 1M keys: bf16 {bf16:.3f} ms, fp8_e4m3 {fp8:.3f} ms ({fp8 / bf16:.2f}x), "
-          f"window 4096 {windowed:.4f} ms")
-    assert fp8 <= 0.6 * bf16, (bf16, fp8)
-    assert windowed <= 0.05, windowed
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -3,7 +3,6 @@ remote shards over NCCL (a GPU each) or gloo (sharing a GPU), and a remote shard
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -169,13 +168,14 @@ def _wait_dead(handle, timeout_s: float = 30.0) -> None:
 
 
 @_needs_gpus(2)
-@pytest.mark.skipif(os.environ.get("CPATTN_PROBE_KNOWN_GAPS") != "1",
-                    reason="known gap (2026-11-30, nvidia-h200-x2): the client hung past collective_timeout_s after "
-                           "the NCCL peer was killed mid-step; see the README's shard-loss section. "
-                           "CPATTN_PROBE_KNOWN_GAPS=1 runs it, dumping every thread's stack if it hangs")
-def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
-    """kv_replicas=2, the remote (NCCL) shard killed after layer 0: within collective_timeout_s the step
-    fails with a clear error and rolls back; the shard is replaced and refilled; the step then runs exact."""
+def test_nccl_peer_lost_mid_step_is_survived_or_a_recoverable_error(ray_session):
+    """kv_replicas=2, the remote (NCCL) shard killed after layer 0. The client never hangs: within
+    collective_timeout_s (plus the replacement's start) the step either survives the loss (the shard replaced and
+    refilled, the step's layers replayed; every output the caller got is exact, the step committed) or fails with
+    the documented "run the step again" and commits nothing. Either way the next step is exact.
+
+    History: on 2026-11-30 (nvidia-h200-x2) the client first hung past collective_timeout_s; after StepRun and the
+    run-ahead shards it no longer did: the loss was seen when the async commit was read, and the step replayed."""
     import faulthandler
 
     import ray
@@ -193,17 +193,30 @@ def test_nccl_peer_lost_mid_step_is_a_recoverable_error(ray_session):
         gw = svc.gateway
         remote = gw.shards[gw.remote[0]]
         request = {ids["a"]: 1, ids["b"]: 5}
+        t = sum(request.values())
+        pending, survived = {}, False
         t0 = time.monotonic()
-        with pytest.raises(ServiceError, match="run the step again"):
+        try:
             with svc.step(request) as step:
                 for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(6)
-                    step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+                    q, k, v = oracle.random_qkv(t)
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
                     if layer == 0:
                         ray.kill(remote, no_restart=True)
                         _wait_dead(remote)   # ray.kill returns before the process is gone
+                    # An output handed out must be right even when the shard behind it died (no silent partials).
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert rel < 1e-2, f"layer {layer} after the shard's loss: relative error {rel:.2e}"
+                    pending.update(new_kv)
+            svc.sequences()   # reads an async commit: a loss seen only there is replayed (or reported) here
+            survived = True
+        except ServiceError as exc:
+            assert "run the step again" in str(exc), str(exc)
         assert time.monotonic() - t0 < cfg.collective_timeout_s + 30
-        assert svc.sequences() == {i: oracle.length(i) for i in ids.values()}   # nothing committed
+        if survived:
+            oracle.commit(pending)
+        assert svc.sequences() == {i: oracle.length(i) for i in ids.values()}
         _checked_step(svc, cfg, oracle, request)
         assert svc.stats()["shards_replaced"] >= 1
     finally:
