@@ -12,27 +12,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_cp_scaling_smoke_runs_every_case(tmp_path):
-    out = tmp_path / "cp_scaling.json"
-    proc = subprocess.run([sys.executable, "benchmarks/cp_scaling.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+def _smoke_rows(tmp_path: Path, script: str, timeout_s: int = 600) -> list[dict]:
+    """``python benchmarks/<script> --smoke --json ...`` as printed: exits 0; the rows of the JSON it wrote."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_cp_scaling_smoke_runs_every_case(tmp_path):
+    rows = _smoke_rows(tmp_path, "cp_scaling.py")
     got = {(r["case"], r["gpus"]) for r in rows}
     cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke", "decode_fp8_w64_smoke",
              "chunked_fp8_w64_smoke"}
     assert got == {(c, g) for c in cases for g in (1, 2)}
     for r in rows:
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
+        assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
 
 
 def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
-    out = tmp_path / "shared_prefix.json"
-    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["way"]: r for r in _smoke_rows(tmp_path, "shared_prefix.py")}
     assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == rows["separate"]["batch"] == 4
     # 250 tokens over 2 shards (125 each) in pages of 4: 32 + 32 pages per copy of the document.
     assert rows["one"]["kv_blocks"] == rows["shared"]["kv_blocks"] == 64
@@ -42,11 +44,7 @@ def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
 
 def test_plan_cost_smoke_measures_every_part(tmp_path):
     """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
-    out = tmp_path / "plan_cost.json"
-    proc = subprocess.run([sys.executable, "benchmarks/plan_cost.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["case"]: r for r in _smoke_rows(tmp_path, "plan_cost.py", timeout_s=300)}
     assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke"}
     assert rows["decode_smoke"]["steps_per_begin"] == 32 and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
