@@ -85,3 +85,16 @@ def test_triton_fp8_kernel_pages_smaller_than_scale_pages():
     out, _ = TritonAttentionBackend.get_impl_cls()(s).forward(0, b.q, b.k, b.v, kernel_kv_view(cache.clone(), 32, 16),
                                                               plan, kv_scale=scales)
     assert rel(out, ref) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_triton_fp8_decode_with_float16_dots(fmt, monkeypatch):
+    """DECODE_CONFIG's fp8_f16_dot (the dots in float16, a speed candidate for bf16 services): as exact as the
+    default on decodes that split KV and on DCP context passes (query groups)."""
+    from cpattn.attention.backends import triton_decode
+
+    monkeypatch.setitem(triton_decode.DECODE_CONFIG, "fp8_f16_dot", True)
+    b = outlier_batch(*SHAPE, 8, 2, 32, 16, torch.float16, "cpu", seed=4)
+    for world, interleave in ((1, 1), (2, 16)):
+        (out, _), (same, _), (exact, _) = run_case(TritonAttentionBackend, b, None, None, fmt, "cpu", world, interleave)
+        assert rel(out, same) < KERNEL_TOL and rel(out, exact) < FP8_BOUND[fmt]

@@ -29,6 +29,7 @@ def _paged_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    F16_DOT: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     kh = tl.program_id(1)
@@ -57,6 +58,10 @@ def _paged_decode_kernel(
     heads = kh * G + offs_g
     q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP8 and F16_DOT:
+        # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 is not (the fp8 read
+        # is bound by that conversion, benchmarks/RESULTS.md); q must stay within float16's range.
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -92,8 +97,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
-# length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md).
-DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8)
+# length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md); fp8_f16_dot: an fp8 cache's
+# dots in float16 instead of the activations' dtype (off until benchmarks/triton_decode_sweep.py --goals-only shows
+# it faster on the GPU).
+DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False)
 
 
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
@@ -135,7 +142,8 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
     common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2, **flags)
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2,
+                  F16_DOT=bool(cfg.get("fp8_f16_dot")), **flags)
     ks, vs, stride_sp, scale_div, *logit_args = launch_args
     args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
                  kv_lens if key_start is None else key_start, ks, vs)
