@@ -8,6 +8,8 @@ width rounded up to a power of two, replica or not), one graph per layer (each l
 they replay from buffers at fixed addresses (invariant 8): each step copies its slots, block table and
 key counts into them, each layer its q|k|v. Lengths live on the device (the kernel cuts each token's keys
 into the splits itself), so a growing sequence replays the same graphs until its bucket changes.
+An fp8 cache's page scales are read from the shard's per-layer tensors; dynamic scales grow inside the graph
+(kvstore/fp8_graphed.py: one row per written slot, so no per-step host planning).
 Used by the shard actor and by a client computing a shard on its own GPU (cluster.layer_runner).
 """
 
@@ -21,6 +23,7 @@ from cpattn.attention import AttentionCGSupport, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.kvstore import kernel_kv_view
+from cpattn.kvstore.fp8_graphed import grow_scales_of_slots
 
 logger = logging.getLogger("cpattn")
 
@@ -34,13 +37,14 @@ class DecodeGraphs:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replica: torch.Tensor | None = None
+        self.write_slots: torch.Tensor | None = None
+        """Dynamic fp8 scales: the step's own slots then its replica slots, the rows the scale growth reads."""
         self.disabled = False
 
     @staticmethod
     def supported(runner) -> bool:
-        """Graphs need CUDA, a backend declaring decode graphs with the hooks to refill its metadata, and a
-        cache without dynamic fp8 scales (their growth is decided per step)."""
-        return (runner.config.cuda_graphs == "auto" and runner.device.type == "cuda" and runner.kv_format is None
+        """Graphs need CUDA and a backend declaring decode graphs with the hooks to refill its metadata."""
+        return (runner.config.cuda_graphs == "auto" and runner.device.type == "cuda"
                 and runner.backend.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
                 and all(hasattr(runner.builder, h) for h in ("graph_key", "make_static", "refill")))
 
@@ -63,6 +67,11 @@ class DecodeGraphs:
         self.runner.builder.refill(self.static, attn_metadata)
         if replica_slots is not None:
             self.replica.copy_(replica_slots)
+        if self.write_slots is not None:
+            t = attn_metadata.slot_mapping.numel()
+            self.write_slots[:t].copy_(attn_metadata.slot_mapping)
+            if replica_slots is not None:
+                self.write_slots[t:].copy_(replica_slots)
         return True
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
@@ -77,10 +86,16 @@ class DecodeGraphs:
 
     def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
+        extra, scale = {}, None
+        if r.kv_format is not None:
+            scale = extra["kv_scale"] = r.kv_scales[layer]
+            if self.write_slots is not None:   # dynamic scales: grown before this layer's writes (as run_layer does)
+                grow_scales_of_slots(r.kv_caches[layer], scale, self.k, self.v, self.write_slots, r.config.block_size,
+                                     r.kv_format)
         if self.replica is not None:
-            write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica)
+            write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica, scale)
         kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
-        out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static)
+        out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static, **extra)
         return out.to(r.dtype), to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
 
     def _capture(self, attn_metadata, key: tuple) -> None:
@@ -93,6 +108,9 @@ class DecodeGraphs:
         self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
         self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
+        dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
+        self.write_slots = (torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
+                            if dynamic_fp8 else None)
         # Warm-up: JIT compilation and allocations happen outside the capture.
         self.graphs, self.outputs = capture_graphs(r.device, cfg.num_layers, self._layer, warmup=lambda: self._layer(0),
                                                    sync_device=False)

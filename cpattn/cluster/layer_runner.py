@@ -106,7 +106,7 @@ class ShardLayerRunner:
         if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows):
             graphs = None
         scale_writes = None
-        if self.kv_format is not None and self.config.kv_scales is None:
+        if self.kv_format is not None and self.config.kv_scales is None and graphs is None:   # graphs grow their own
             slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
             scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
         copies = None if plan.page_copies is None else plan.page_copies.to(self.device)

@@ -1,0 +1,45 @@
+"""Dynamic fp8 page scales grown inside a CUDA graph: PageScaleWrites' growth at fixed shapes.
+
+PageScaleWrites (fp8.py) plans on the host which distinct pages a step writes, so its tensors' shapes change
+from step to step, and a captured decode graph cannot hold it. In a decode-only step every written slot is in
+a page of its own (one new token per sequence; a replica slot is on another page than any own slot; a shared
+page is copied before it is written), so here each slot row stands for its page and no planning is needed: the
+shapes depend only on the step's token count, and the slots are read from a buffer the graph owns.
+
+Rows whose slot is -1 (tokens this shard does not store) must write nothing, but an index_copy cannot skip
+rows: they repeat the first written row (its page, its values), so every duplicate write carries identical
+bytes. When no row writes, they all re-store page 0 unchanged (ratio 1, scale kept).
+
+Legend: n slot arrays (own, replica), T tokens, R = n * T rows, Hk kv heads, B page tokens, D head size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpattn.kvstore.fp8 import _finite_amax, _page_index, _page_store, needed_scales
+
+
+def grow_scales_of_slots(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,
+                         v_TKD: torch.Tensor, slots_R: torch.Tensor, page_tokens: int, kv_format: str) -> None:
+    """Grow the scales of the pages ``slots_R`` (int64, -1: none) write to cover k/v (T tokens, repeated for
+    each slot array), and re-express those pages' cached values under them. In place; no host sync; the same
+    result as ``PageScaleWrites(slot arrays).grow(...)`` for a decode-only step."""
+    rows = slots_R.numel()
+    copies = rows // k_TKD.shape[0]
+    valid = slots_R >= 0
+    first = torch.argmax(valid.to(torch.int32))                          # 0 when no row writes
+    src = torch.where(valid, torch.arange(rows, device=slots_R.device), first)
+    slots = slots_R.index_select(0, src)
+    writes = slots >= 0                                                  # False only when no row writes
+    pages = torch.where(writes, torch.div(slots, page_tokens, rounding_mode="floor"), torch.zeros_like(slots))
+    fresh = writes & (slots % page_tokens == 0)                          # a page's first token: a new owner
+    amax = torch.stack([_finite_amax(k_TKD, 2), _finite_amax(v_TKD, 2)]).repeat(1, copies, 1)   # [2, R, Hk]
+    needed = needed_scales(amax, kv_format).index_select(1, src) * writes[None, :, None]
+    old = scales_2NK.index_select(1, pages)
+    old = torch.where(fresh[None, :, None], torch.zeros_like(old), old)
+    new = torch.maximum(old, needed)
+    ratio = torch.where(old > 0, old / torch.where(new > 0, new, torch.ones_like(new)), torch.ones_like(old))
+    cached = _page_index(kv_cache_2NBKD, pages)                                        # [2, R, B, Hk, D]
+    _page_store(kv_cache_2NBKD, pages, (cached.to(torch.float32) * ratio[:, :, None, :, None]).to(kv_cache_2NBKD.dtype))
+    scales_2NK.index_copy_(1, pages, new)
