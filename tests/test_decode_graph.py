@@ -297,3 +297,16 @@ def test_refusals_name_every_reason():
     assert capture_refusals(ok, cuda, ["TRITON", "TRITON"], "nccl") == {}
     assert capture_refusals(ok, cuda, ["TRITON"], None) == {}
     assert "CUDA graphs need a CUDA device" in capture_refusals(ok, torch.device("cpu"), ["TRITON"], None)["service"][0]
+
+
+def test_benchmark_measure_runs_both_ways(svc):
+    """benchmarks/decode_graph_bench.py's measurement on this service (CPU: the graph runs eagerly)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode_graph_bench
+
+    row = decode_graph_bench.measure(svc, batch=2, context=20, layers=svc.config.num_layers, repeats=1, matmul=True)
+    assert row["mode"] == "eager" and row["graph_steps"] == {"eager": 3, "captured": 0, "replayed": 0}, row
+    assert row["eager_ms_per_layer"] > 0 and row["graph_ms_per_layer"] > 0
