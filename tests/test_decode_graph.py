@@ -4,7 +4,8 @@ On CPU nothing is captured: every step runs the forward eagerly with the same co
 every step, commit and rollback as any step), checked here against a float64 model built from the oracle's
 attention. Which step records, replays or runs eagerly is checked with fakes (no Ray, no CUDA); why a service's
 steps cannot be captured, from the backends' declared CUDA-graph support levels. The CUDA path:
-tests/gpu/test_decode_graph_gpu.py.
+tests/gpu/test_decode_graph_gpu.py. examples/long_context_job.py's decode loop (CpattnLM(decode_graph=True), its
+default on CUDA) is checked here on the CPU against transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def svc(ray_session):
 
     from conftest import service_config
 
-    svc = cpattn.start(service_config(num_shards=2, num_layers=3, decode_run_steps=4))
+    # The tiny Llama's geometry (examples/job_models.py), so the job's decode loop runs on it too.
+    svc = cpattn.start(service_config(num_shards=2, num_layers=3, head_size=16, decode_run_steps=4))
     yield svc
     svc.shutdown()
 
@@ -310,3 +312,17 @@ def test_benchmark_measure_runs_both_ways(svc):
     row = decode_graph_bench.measure(svc, batch=2, context=20, layers=svc.config.num_layers, repeats=1, matmul=True)
     assert row["mode"] == "eager" and row["graph_steps"] == {"eager": 3, "captured": 0, "replayed": 0}, row
     assert row["eager_ms_per_layer"] > 0 and row["graph_ms_per_layer"] > 0
+
+
+def test_job_decode_loop_generates_the_eager_tokens(svc):
+    pytest.importorskip("transformers")
+    from test_long_context_job import _load_job_module
+
+    job = _load_job_module()
+    model = job.build_model(None, seed=4, num_layers=svc.config.num_layers, dtype="float64")
+    prompt = job.make_prompt(model.config.vocab_size, 70, 2, seed=4)
+    lm = job.CpattnLM(model, svc, 2, decode_graph=True)
+    tokens, _ = job.generate(lm, prompt, chunk_size=32, max_new_tokens=6, progress=False)
+    assert lm.graph is not None and lm.graph.mode == "eager" and lm.graph.counts["eager"] == 5
+    lm.free()
+    assert tokens.tolist() == job.eager_generate(model, prompt, 6).tolist()
