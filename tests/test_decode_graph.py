@@ -326,3 +326,37 @@ def test_job_decode_loop_generates_the_eager_tokens(svc):
     assert lm.graph is not None and lm.graph.mode == "eager" and lm.graph.counts["eager"] == 5
     lm.free()
     assert tokens.tolist() == job.eager_generate(model, prompt, 6).tolist()
+
+
+def test_a_recording_fits_only_the_buffers_it_read():
+    """CapturedLayers.matches: the same buffer objects (keys by value) or the graph must be captured again."""
+    from cpattn.cluster.user_graphs import CapturedLayers
+
+    def client(key=(2, (), (1,))):
+        t = torch.zeros
+        return SimpleNamespace(key=key, message=t(8), headers=t(3, 4), tags=t(3), norms=t(3), flags=t(3, 1),
+                               recv={1: t(6)})
+
+    def local(key=(2, 1, 64, False)):
+        return SimpleNamespace(key=key, static=SimpleNamespace(), qkv=torch.zeros(2, 3, 4), replica=None)
+
+    c, g = client(), local()
+    wire = SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g)})
+    gw = SimpleNamespace(config=SimpleNamespace(nan_policy="reject", num_layers=3), device=torch.device("cpu"))
+    rec = CapturedLayers(gw, wire)
+    assert rec.norms is None   # the client graphs keep the NaN norms over NCCL
+    assert rec.matches(SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g)}))
+    c.key = (2, (), (1,))   # an equal key, another tuple: still the same bucket
+    assert rec.matches(wire)
+    c.recv = {1: torch.zeros(6)}   # a recapture replaced a buffer: not the recorded one
+    assert not rec.matches(wire)
+    c2, g2 = client(), local()
+    assert not rec.matches(SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g2)}))
+    assert not rec.matches(SimpleNamespace(graphs=c2, local={0: SimpleNamespace(graphs=g)}))
+    assert not rec.matches(SimpleNamespace(graphs=c, local={}))
+    solo = CapturedLayers(gw, SimpleNamespace(graphs=None, local={0: SimpleNamespace(graphs=g)}))
+    assert solo.norms is not None and solo.norms.shape == (3,)   # every shard in this process: its own norms
+    target = SimpleNamespace(norms=None)
+    solo.norms.fill_(7.0)
+    solo.prepare(target)
+    assert target.norms is solo.norms and not solo.norms.any()

@@ -100,7 +100,9 @@ class CapturedLayers:
         held = []
         c = wire.graphs
         if c is not None:
-            held += [c, c.key, c.message, c.headers, c.tags, c.norms, c.flags, *sorted(c.recv.items())]
+            held += [c, c.key, c.message, c.headers, c.tags, c.norms, c.flags]
+            for r, buf in sorted(c.recv.items()):
+                held += [r, buf]
         for r, s in sorted(wire.local.items()):
             g = s.graphs
             held += [r, g, g.key, g.static, g.qkv, g.replica]
@@ -110,7 +112,7 @@ class CapturedLayers:
         """The step's buffers are the recorded ones (identity; keys and ranks by value)."""
         now = self._buffers(wire)
         return len(now) == len(self.held) and all(
-            a is b or (isinstance(a, (int, tuple)) and a == b) for a, b in zip(self.held, now))
+            a is b or (type(a) is type(b) and isinstance(a, (int, tuple)) and a == b) for a, b in zip(self.held, now))
 
     def prepare(self, wire) -> None:
         """Per replayed step, before the replay: the NaN norms zeroed and read by the step's end."""
