@@ -36,7 +36,7 @@ import torch
 from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.cluster.ids import canonical_request
 from cpattn.cluster.user_graphs import CapturedLayers, capturable, capture_refusals
-from cpattn.errors import BackendUnavailableError, CpattnError, IncompleteStepError, InvalidRequestError
+from cpattn.errors import BackendUnavailableError, IncompleteStepError, InvalidRequestError
 from cpattn.step_inputs import check_layer, check_qkv
 
 logger = logging.getLogger("cpattn")
@@ -154,8 +154,6 @@ class DecodeGraph:
         capturing = CapturingStep(step, layers)
         try:
             graphs, _ = capture_graphs(gw.device, 1, lambda _: self._keep(self.forward(capturing), recording=True))
-        except CpattnError:
-            raise
         except RuntimeError as exc:   # an operation of the model or ours that cannot be captured: stay eager
             logger.warning("decode graph capture failed (%s); decode steps run eagerly", exc)
             self.disabled = True
