@@ -360,3 +360,44 @@ def test_a_recording_fits_only_the_buffers_it_read():
     solo.norms.fill_(7.0)
     solo.prepare(target)
     assert target.norms is solo.norms and not solo.norms.any()
+
+
+def test_recorded_layer_work_on_fakes():
+    """CapturedLayers.record's two paths run on the CPU with fakes of the service's graphs: in-process shards (q|k|v
+    into each shard's buffers, the NaN norm, their partials merged by LSE) and the client's NCCL layer."""
+    from cpattn.cluster.user_graphs import CapturedLayers
+
+    t, hq, hk, d = 2, 4, 2, 8
+    keys = torch.randn(2, 5, hk, d)   # shard s holds keys[s] (its values are its keys, for brevity)
+
+    def attention(q, kk):   # out and natural-log lse of q over keys kk [L, Hk, D], no mask
+        kk = kk.repeat_interleave(hq // hk, dim=1)
+        scores = torch.einsum("tqd,lqd->tql", q, kk) / d ** 0.5
+        return torch.einsum("tql,lqd->tqd", scores.softmax(-1), kk), scores.logsumexp(-1)
+
+    class FakeShardGraphs:
+        def __init__(self, s):
+            self.s, self.key, self.static, self.replica = s, (t, 1, 64, False), object(), None
+            self.qkv = torch.zeros(t, hq + 2 * hk, d)
+            self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
+
+        def _layer(self, layer):
+            return attention(self.q, keys[self.s])
+
+    graphs = [FakeShardGraphs(0), FakeShardGraphs(1)]
+    wire = SimpleNamespace(graphs=None, local={s: SimpleNamespace(graphs=g) for s, g in enumerate(graphs)})
+    gw = SimpleNamespace(config=SimpleNamespace(nan_policy="reject", num_layers=2), device=torch.device("cpu"))
+    rec = CapturedLayers(gw, wire)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
+    out = rec.record(1, q, k, v)
+    assert torch.allclose(out, attention(q, torch.cat(list(keys)))[0], atol=1e-5)   # one softmax over both shards
+    assert all(torch.equal(g.q, q) and torch.equal(g.k, k) and torch.equal(g.v, v) for g in graphs)
+    assert rec.norms[1] == torch.cat([q, k, v], dim=1).abs().max() and rec.norms[0] == 0
+
+    client = SimpleNamespace(key=(t,), message=torch.zeros(1), headers=None, tags=None, norms=None, flags=None,
+                             recv={}, qkv=torch.zeros(t, hq + 2 * hk, d))
+    client.q, client.k, client.v = client.qkv.split([hq, hk, hk], dim=1)
+    client._layer = lambda layer, w: (layer, w, client.qkv.clone())
+    nccl = CapturedLayers(gw, SimpleNamespace(graphs=client, local={}))
+    layer, seen_wire, qkv = nccl.record(0, q, k, v)
+    assert layer == 0 and seen_wire is nccl.wire and torch.equal(qkv, torch.cat([q, k, v], dim=1))
