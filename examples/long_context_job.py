@@ -325,7 +325,7 @@ def run_cpattn(args, model, prompt, questions) -> dict:
               f"{args.chunk_size}, {args.max_new_tokens} new tokens"
               + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else ""),
               file=sys.stderr, flush=True)
-        lm = CpattnLM(model, svc, prompt.shape[0])
+        lm = CpattnLM(model, svc, prompt.shape[0], decode_graph=False if args.decode_graph == "off" else None)
         if questions is not None:
             new_tokens, timings, forked, stats = ask_questions(lm, prompt, questions, args.chunk_size,
                                                                args.max_new_tokens, not args.no_progress)
