@@ -153,7 +153,7 @@ class DecodeGraph:
         layers = CapturedLayers(gw, step._run.wire)
         capturing = CapturingStep(step, layers)
         try:
-            graphs, _ = capture_graphs(gw.device, 1, lambda _: self._keep(self.forward(capturing), recording=True))
+            graphs, _ = capture_graphs(gw.device, 1, lambda _: self._keep(self.forward(capturing)))
         except RuntimeError as exc:   # an operation of the model or ours that cannot be captured: stay eager
             logger.warning("decode graph capture failed (%s); decode steps run eagerly", exc)
             self.disabled = True
@@ -167,7 +167,7 @@ class DecodeGraph:
         logger.info("captured a decode graph of %d sequences", len(self.request))
         self._replay(step)
 
-    def _keep(self, outs, recording: bool = False) -> None:
+    def _keep(self, outs) -> None:
         """forward's outputs into the static ones (made at the first step; inside a capture the copies are
         recorded, so each replay refreshes them)."""
         single = isinstance(outs, torch.Tensor)
