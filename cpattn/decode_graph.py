@@ -17,7 +17,8 @@ pool; remote shards replay their own step graph (or serve eagerly) with the same
 
 Which step does what: the first ``step()`` runs ``forward`` eagerly (the model's warm-up; the public ``Step``);
 a step whose client work is the service's graphed decode layer (CUDA, a backend declaring at least
-UNIFORM_SINGLE_TOKEN_DECODE with graph hooks, no fp8 cache, NCCL to remote shards; not the first step of a bucket)
+UNIFORM_SINGLE_TOKEN_DECODE with graph hooks, the in-process shards' decode graphs on, NCCL to remote shards; not the
+first step of a bucket)
 captures ``forward`` and replays it once; later steps replay. A step the recording does not fit (the batch's
 bucket moved as the context grew: a power of two of its block table or its KV splits; a rejoin after a shard
 loss) runs eagerly or captures again. ``forward``'s outputs are copied into tensors made at the first step, so
@@ -96,7 +97,7 @@ class DecodeGraph:
         self.forward = forward
         gw = service.gateway
         self.reasons = capture_refusals(service.config, gw.device, [i.get("backend") for i in service.shard_infos],
-                                        gw.plane.backend if gw.plane is not None else None)
+                                        gw.plane.backend if gw.plane is not None else None, gw.local_graphs)
         """Why steps are not captured ({} when they are); on a CPU client they always run eagerly."""
         if self.reasons and gw.device.type == "cuda" and not allow_eager:
             raise BackendUnavailableError("this service's decode steps cannot be captured in a CUDA graph (pass "

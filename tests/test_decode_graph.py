@@ -296,8 +296,11 @@ def test_refusals_name_every_reason():
     assert "declares CUDA-graph support NEVER" in why["TORCH"][0]
     assert "declares UNIFORM_BATCH but its builder lacks graph_key" in why["FLASH_ATTN"][0]
     ok = cfg.model_copy(update={"cuda_graphs": "auto"})
-    assert capture_refusals(ok, cuda, ["TRITON", "TRITON"], "nccl") == {}
+    assert capture_refusals(ok, cuda, ["TRITON", "TRITON"], "nccl", {0: object()}) == {}
     assert capture_refusals(ok, cuda, ["TRITON"], None) == {}
+    off = capture_refusals(ok, cuda, ["TRITON", "TRITON"], None, {0: object(), 1: None})
+    assert off == {"service": ["the shards computed in this process ([1]) have no decode graphs for this "
+                               "configuration: cluster/decode_graphs.DecodeGraphs.supported"]}
     assert "CUDA graphs need a CUDA device" in capture_refusals(ok, torch.device("cpu"), ["TRITON"], None)["service"][0]
 
 

@@ -33,20 +33,23 @@ NEEDED = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 GRAPH_HOOKS = ("graph_key", "make_static", "refill")
 
 
-def capture_refusals(config, device: torch.device, backend_names: list[str | None],
-                     plane_backend: str | None) -> dict[str, list[str]]:
+def capture_refusals(config, device: torch.device, backend_names: list[str | None], plane_backend: str | None,
+                     local_graphs: dict | None = None) -> dict[str, list[str]]:
     """Every reason this client's decode steps cannot be recorded in a user's CUDA graph ({} when they can):
     ``backend_names`` are the shards' backends (describe()["shards"]), ``plane_backend`` the data plane to the
-    remote shards (None when every shard is computed in this process)."""
+    remote shards (None when every shard is computed in this process), ``local_graphs`` the decode graphs of the
+    shards computed in this process (Gateway.local_graphs: None where DecodeGraphs.supported said no)."""
     reasons: dict[str, list[str]] = {}
     service = reasons.setdefault("service", [])
     if device.type != "cuda":
         service.append(f"the client's device is {device}: CUDA graphs need a CUDA device")
     if config.cuda_graphs != "auto":
         service.append("cuda_graphs is 'off': set cuda_graphs='auto'")
-    if is_fp8(config.kv_cache_format):
-        service.append(f"kv_cache_dtype {config.kv_cache_format}: fp8 caches run eagerly (their page scales grow "
-                       "per step); use the activation dtype's cache")
+    off = sorted(r for r, g in (local_graphs or {}).items() if g is None)
+    if off and not service:
+        fp8 = f" (kv_cache_dtype {config.kv_cache_format})" if is_fp8(config.kv_cache_format) else ""
+        service.append(f"the shards computed in this process ({off}) have no decode graphs for this "
+                       f"configuration{fp8}: cluster/decode_graphs.DecodeGraphs.supported")
     if plane_backend is not None and plane_backend != "nccl":
         service.append(f"remote shards are reached over {plane_backend} (they read a header per layer on the host): "
                        "give each shard a GPU of its own so the data plane is NCCL, or place them on this GPU")
@@ -105,7 +108,7 @@ class CapturedLayers:
                 held += [r, buf]
         for r, s in sorted(wire.local.items()):
             g = s.graphs
-            held += [r, g, g.key, g.static, g.qkv, g.replica]
+            held += [r, g, g.key, g.static, g.qkv, g.replica, getattr(g, "write_slots", None)]
         return held
 
     def matches(self, wire) -> bool:
