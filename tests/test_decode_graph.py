@@ -221,7 +221,7 @@ def _fake_service(monkeypatch, log):
     from cpattn import decode_graph
 
     cfg = SimpleNamespace(num_layers=2, num_q_heads=1, num_kv_heads=1, head_size=2, torch_dtype=torch.float64)
-    gw = SimpleNamespace(device=torch.device("cpu"), plane=None, config=cfg, user_graphs=set())
+    gw = SimpleNamespace(device=torch.device("cpu"), plane=None, config=cfg, user_graphs=set(), local_graphs={})
 
     def capture_graphs(device, count, record):
         if log.fail_capture:
