@@ -138,6 +138,16 @@ class Service:
         self.gateway.check_no_open_step()
         return Step(self.gateway, canonical_request(request) if isinstance(request, dict) else request)
 
+    def decode_graph(self, seq_ids: list[str], forward, allow_eager: bool = False):
+        """A decode batch (every sequence of ``seq_ids`` one new token per step) whose ``forward(step)`` (the model's
+        whole decode forward, ``step.attend(layer, q, k, v)`` per layer) is captured in one CUDA graph and replayed
+        per ``graph.step()`` (cpattn/decode_graph.py). BackendUnavailableError, with every reason, where this
+        service's steps cannot be captured (unless ``allow_eager``: then they run eagerly); eager on a CPU client."""
+        from cpattn.decode_graph import DecodeGraph
+
+        self._check_open()
+        return DecodeGraph(self, seq_ids, forward, allow_eager=allow_eager)
+
     # Introspection and lifecycle -----------------------------------------------------------------
     def stats(self, admin: bool = False) -> dict[str, Any]:
         """Usage: ``clients`` lists this client only, others are counted in ``other_clients``; ``admin=True``

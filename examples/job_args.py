@@ -73,6 +73,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                         "error")
     p.add_argument("--json-out", default=None, help="write tokens, timings, config and versions as JSON here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--decode-graph", default="auto", choices=["auto", "off"],
+                   help="auto: on CUDA each decode step replays the model's whole forward as one CUDA graph "
+                        "(svc.decode_graph); off: decode steps run eagerly")
     return p
 
 

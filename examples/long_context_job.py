@@ -102,8 +102,10 @@ def make_questions(vocab_size: int, num_questions: int, length: int, seed: int) 
 class CpattnLM:
     """Runs a transformers causal LM with its attention on a cpattn service; one step per forward."""
 
-    def __init__(self, model, service, batch: int, seq_ids: list[str] | None = None, position: int = 0):
-        """``batch`` new sequences, or ``seq_ids`` that already hold ``position`` tokens each (forks)."""
+    def __init__(self, model, service, batch: int, seq_ids: list[str] | None = None, position: int = 0,
+                 decode_graph: bool | None = None):
+        """``batch`` new sequences, or ``seq_ids`` that already hold ``position`` tokens each (forks).
+        ``decode_graph`` (default: on CUDA): decode steps replay the whole forward as one CUDA graph."""
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_IMPLEMENTATION, ATTENTION)
@@ -113,6 +115,32 @@ class CpattnLM:
         self.svc = service
         self.seq_ids = seq_ids if seq_ids is not None else [service.add_sequence() for _ in range(batch)]
         self.position = position
+        self.use_graph = self.device.type == "cuda" if decode_graph is None else decode_graph
+        self.graph = None   # svc.decode_graph of this batch's decode steps, made at the first one
+
+    def _decode_step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step (one new token per row) through svc.decode_graph: the model's whole forward, cpattn's
+        attend calls included, captured once and replayed per token (eager where it cannot be captured)."""
+        if self.graph is None:
+            ids = torch.zeros_like(input_ids)
+            positions = torch.zeros_like(input_ids)
+
+            def forward(step):
+                ATTENTION.step = step
+                try:
+                    return self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                                      logits_to_keep=1).logits[:, -1]
+                finally:
+                    ATTENTION.step = None
+
+            self.graph = self.svc.decode_graph(self.seq_ids, forward, allow_eager=True)
+            self.graph_inputs = (ids, positions)
+        ids, positions = self.graph_inputs
+        ids.copy_(input_ids)
+        positions.fill_(self.position)
+        logits = self.graph.step().clone()   # the graph's output tensor is refilled by the next step
+        self.position += 1
+        return logits
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -122,6 +150,8 @@ class CpattnLM:
         logits of its last position (``logits_to_keep=1``: the [T, vocab] logits of a chunk are never made)."""
         b, n = input_ids.shape
         input_ids = input_ids.to(self.device)
+        if n == 1 and self.use_graph:
+            return self._decode_step(input_ids)
         positions = torch.arange(self.position, self.position + n, device=self.device).expand(b, n)
         with self.svc.step({sid: n for sid in self.seq_ids}) as step:
             ATTENTION.step = step
@@ -140,6 +170,8 @@ class CpattnLM:
         self.position += num_tokens
 
     def free(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
         for sid in self.seq_ids:
             self.svc.free(sid)
         self.seq_ids = []
@@ -293,7 +325,7 @@ def run_cpattn(args, model, prompt, questions) -> dict:
               f"{args.chunk_size}, {args.max_new_tokens} new tokens"
               + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else ""),
               file=sys.stderr, flush=True)
-        lm = CpattnLM(model, svc, prompt.shape[0])
+        lm = CpattnLM(model, svc, prompt.shape[0], decode_graph=False if args.decode_graph == "off" else None)
         if questions is not None:
             new_tokens, timings, forked, stats = ask_questions(lm, prompt, questions, args.chunk_size,
                                                                args.max_new_tokens, not args.no_progress)
@@ -321,6 +353,7 @@ def run_cpattn(args, model, prompt, questions) -> dict:
         else:
             svc.shutdown()
     result = {"tokens": new_tokens.tolist(), "timings": timings, "backend": backend,
+              "decode_graph_steps": lm.graph.counts if lm.graph is not None else None,
               "service": {"num_shards": cfg.num_shards, "num_gpus_per_shard": cfg.num_gpus_per_shard,
                           "kv_cache_dtype": cfg.kv_cache_format, "block_size": cfg.block_size,
                           "pcp_min_tokens": cfg.pcp_min_tokens},

@@ -6,6 +6,7 @@
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
+#   bash scripts/test_gpu.sh usergraph   # svc.decode_graph: a model's decode forward in one CUDA graph (1 and 2 GPUs)
 #   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows, soft caps, sinks per backend vs float64 (not
 #                                        # FlashInfer's: those run in the flashinfer part) (speed goals: python benchmarks/triton_decode_sweep.py --goals-only)
 # Extra arguments go to pytest. On the device machine, source /tmp/site/env.sh first (see its README).
@@ -24,6 +25,7 @@ case "$part" in
                -k "not FLASHINFER" "$@" ;;
   features) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs -s tests/gpu/test_backend_features_gpu.py \
               -k "not FLASHINFER" "$@" ;;
+  usergraph) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_graph_gpu.py "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
-  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|flashinfer|features} [pytest args]" >&2; exit 1 ;;
+  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|usergraph|flashinfer|features} [pytest args]" >&2; exit 1 ;;
 esac

@@ -13,6 +13,7 @@ Which process runs each file (a file in two columns is shared code, imported by 
     client_run.py   decode runs, one step      open_steps.py   open steps       layer_runner.py per-layer work
     step_run.py     a step's life (StepRun)
     step_host.py    what StepRun calls
+    user_graphs.py  attend in the user's graph
     wire_messages.py  q|k|v packed once                                         wire_messages.py  its header
     decode_run_plans.py  a run's steps built   decode_run_plans.py              decode_run_plans.py  a run's
       as reached (RunSteps)                      a run planned at once            steps built as reached

@@ -104,6 +104,8 @@ class GroupMembership:
 
     def leave(self) -> None:
         old, ticket = self.group_name, self._ticket
+        for graph in list(self.user_graphs):   # the caller's graphs read this group's buffers and NCCL work too
+            graph.release()
         if self.client_graphs is not None:   # graphs holding NCCL work go before their communicator (else abort hangs)
             self.client_graphs.release()
             self.client_graphs = None

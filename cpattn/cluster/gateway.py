@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +86,7 @@ class Gateway(RunControl, GroupMembership):
         self.local_graphs: dict[int, DecodeGraphs | None] = {}
         self.pages = PageCache()   # pages of this client's sequences on its in-process shards
         self.client_graphs: ClientLayerGraphs | None = None
+        self.user_graphs: weakref.WeakSet = weakref.WeakSet()   # the caller's decode graphs (cpattn.decode_graph)
         self.remote: list[int] = []
         self.shards: list = []
         self.pending: PendingCommit | None = None

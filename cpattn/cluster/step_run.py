@@ -129,6 +129,14 @@ class StepRun:
         self.attended.add(layer)
         return out
 
+    def graph_replayed(self) -> None:
+        """Every layer ran in the caller's CUDA graph, replayed in this step (cpattn.decode_graph). Its q|k|v stayed
+        in the graph's buffers, so nothing can be replayed after a shard loss: the step then rolls back and says
+        to run it again (ServiceError), with kv_replicas=2 too."""
+        self.require_open()
+        self.attended = set(range(self.host.config.num_layers))
+        self.replay = None
+
     def _send(self, layer: int, message: LayerMessage, sinks: torch.Tensor | None) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.host.attend(self.wire, layer, message, sinks)
