@@ -60,8 +60,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
         self.backend = select_backend(config, self.device)
         self.prefill_backend = select_prefill_backend(config, self.backend, self.device)   # same cache, pair checked
         self.num_blocks = config.blocks_per_shard()
-        shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
-                                                config.head_size)
+        shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads, config.head_size)
         self.kv_format = config.kv_cache_format if is_fp8(config.kv_cache_format) else None
         self.cache_dtype = fp8_dtype(self.kv_format) if self.kv_format else self.dtype
         self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
@@ -84,10 +83,9 @@ class ShardWorker(ShardKVPages, ShardGroups):
         self._lock = threading.Lock()
         self._hang = False
         self._fence = StepFence()   # coordinator fencing: steps of an older incarnation never write (fencing.py)
-        logger.info("shard %d: backend %s (%s), prefill %s, %d blocks of %d tokens, kernel pages of %d, device %s",
-                    bundle_index, self.backend.get_name(), self.backend.kernel_version(),
-                    self.prefill_backend.get_name(), self.num_blocks, config.block_size, self.kernel_block_size,
-                    self.device)
+        logger.info("shard %d: backend %s (%s), %d blocks of %d tokens, kernel pages of %d, device %s",
+                    bundle_index, self.backend.get_name(), self.backend.kernel_version(), self.num_blocks,
+                    config.block_size, self.kernel_block_size, self.device)   # the prefill backend: the selector's log
 
     # Authority (the remote surface calls this before every method: cluster.authority) ----------------
     def authorize(self, rule: authority.Rule, proof, arguments: dict, method: str) -> None:
