@@ -38,10 +38,11 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
         pytest.skip(why)
     if gpus > torch.cuda.device_count():
         pytest.skip(f"needs {gpus} GPUs")
+    # Long timeouts: FA4 compiles its kernels on first use, in the remote shard's process too.
     cfg = service_config(num_shards=2, num_layers=3, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                          dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="FLASH_ATTN",
                          num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=60.0, rpc_timeout_s=60.0)
+                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0)
     svc = cpattn.start(cfg)
     try:
         shards = svc.info()["shards"]
