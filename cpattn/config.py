@@ -77,6 +77,9 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
                 f"use a dcp_interleave dividing {self.block_size} (1 or {self.block_size})")
         if self.backend != "auto" and not self.backend.replace("_", "").isalnum():
             raise ValueError(f"backend {self.backend!r} is not a backend name: use one of {', '.join(BACKENDS)}")
+        if not self.prefill_backend.replace("_", "").isalnum():
+            raise ValueError(f"prefill_backend {self.prefill_backend!r} is not a backend name: use same, "
+                             f"{', '.join(BACKENDS)}")
         for name in ("sliding_window", "logits_soft_cap"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != self.num_layers:

@@ -43,7 +43,13 @@ class ModelGeometry(FieldGroup):
     dtype: Literal["float16", "bfloat16", "float32", "float64"] = "bfloat16"
     """Activation and KV dtype of q, k, v and the output."""
     backend: str = "auto"
-    """Attention backend: auto, TORCH, FLASHINFER, FLASH_ATTN, TRITON or a registered plugin name."""
+    """Attention backend: auto, TORCH, FLASHINFER, FLASH_ATTN, TRITON or a registered plugin name. It runs decode
+    steps (and their CUDA graphs), and prefill steps too unless prefill_backend names another."""
+    prefill_backend: str = "same"
+    """Backend of steps where some sequence has more than one new token (chunked prefill, its context-parallel
+    split): same (the default) = backend; auto = the fastest prefill backend that serves the settings and shares
+    backend's paged KV cache (CUDA: FLASH_ATTN, then FLASHINFER), else backend; or a name as for backend, refused
+    with every reason when it cannot serve or cannot share the cache (layout, kernel page size)."""
     dcp_interleave: int = Field(1, ge=1)
     """DCP interleave size I: tokens [k*I, (k+1)*I) live on shard k mod num_shards."""
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from job_args import default_gpus_per_shard  # noqa: E402
 from job_models import build_model  # noqa: E402
 from job_sdpa import SdpaLM  # noqa: E402
-from long_context_job import CpattnLM, make_prompt, service_config  # noqa: E402
+from long_context_job import CpattnLM, make_prompt, service_config_on  # noqa: E402
 
 
 @torch.no_grad()
@@ -107,6 +107,9 @@ def parse_args(argv):
                         "else 1)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--prefill-backend", default=None,
+                   help="as long_context_job.py's (default on cuda: FLASH_ATTN where it serves beside --backend, else "
+                        "the decode backend)")
     p.add_argument("--no-fp32", action="store_true", help="skip the float32 floor (a fixed bound is used instead)")
     p.add_argument("--floor-factor", type=float, default=2.0)
     p.add_argument("--abs-tol", type=float, default=0.02, help="in units of the logits' standard deviation")
@@ -148,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
 
     job_args = argparse.Namespace(shards=args.shards, batch=args.batch, block_size=16, questions=0, question_len=0,
                                   max_new_tokens=args.decode_steps, backend=args.backend, chunk_size=args.chunk_size,
+                                  prefill_backend=args.prefill_backend,
                                   kv_cache_dtype=args.kv_cache_dtype, cpus_per_shard=1.0 if cuda else 0.5,
                                   gpus_per_shard=gpus, placement_strategy="PACK", pcp_min_tokens=256,
                                   device=args.device, address=None)
-    svc = cpattn.start(service_config(model.config, job_args, args.dtype, args.prompt_len + args.decode_steps))
+    cfg, _ = service_config_on(model.config, job_args, args.dtype, args.prompt_len + args.decode_steps)
+    svc = cpattn.start(cfg)
     try:
         backend = svc.info()["shards"][0]["backend"]
+        prefill_backend = svc.info()["shards"][0]["prefill_backend"]
         lm = CpattnLM(model, svc, args.batch)
         cp_logits, _ = logits_per_step(lm, prompt, args.chunk_size, args.decode_steps, forced=tokens)
         local = sorted(svc.gateway.local)
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         svc.shutdown()
     report = compare(cp_logits, sdpa_logits, fp32_logits, args.floor_factor, args.abs_tol, args.max_rel_diff)
     report.update(model=args.model, layers=model.config.num_hidden_layers, dtype=args.dtype, prompt_len=args.prompt_len,
-                  chunk_size=args.chunk_size, shards=args.shards, backend=backend, local_shards=local, data_plane=wire,
+                  chunk_size=args.chunk_size, shards=args.shards, backend=backend, prefill_backend=prefill_backend,
+                  local_shards=local, data_plane=wire,
                   kv_cache_dtype=args.kv_cache_dtype, sdpa_tokens=tokens.tolist(), wall_s=time.perf_counter() - t0)
     print(json.dumps({k: v for k, v in report.items() if k not in ("sdpa_tokens", "per_step_rel_diff_vs_sdpa")}))
     print("check: cpattn matches SDPA within bf16 tolerance" if report["ok"]

@@ -22,7 +22,11 @@ def markdown_row(name: str, r: dict) -> str:
     kv = service.get("kv_cache_dtype", r["model"]["dtype"])
     oracle = f"{r['oracle']['rel_err']:.1e}" if "oracle" in r else ""
     prefilled = f"{r['prefill_tokens']:,}" + (" (+random KV)" if r.get("synthetic_prefix") else "")
-    return (f"| {name} | {r['attn']} | {gpus} | {kv} | {r['context_tokens']:,} | {prefilled} | {r['prefill_s']:.1f} | "
+    attn = r["attn"]
+    if r.get("decode_backend"):   # cpattn rows: the backend of decode steps, and of prefill chunks where another
+        prefill = r.get("prefill_backend")
+        attn += f" {r['decode_backend']}" + (f", prefill {prefill}" if prefill and prefill != r["decode_backend"] else "")
+    return (f"| {name} | {attn} | {gpus} | {kv} | {r['context_tokens']:,} | {prefilled} | {r['prefill_s']:.1f} | "
             f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token_median']:.2f} "
             f"({r['decode_ms_per_token_mean']:.2f}) | {r['kv_gib_per_shard']:.1f} | {oracle} | {r['status']} |")
 

@@ -188,10 +188,16 @@ def generate(lm, prompt: torch.Tensor, chunk_size: int, max_new_tokens: int, pro
     bar = progress if isinstance(progress, Progress) else Progress(prompt.shape[1] + max_new_tokens, None, progress)
     device = getattr(lm, "device", torch.device("cpu"))
     t0 = time.perf_counter()
-    for start in range(0, prompt.shape[1], chunk_size):
-        chunk = prompt[:, start:start + chunk_size]
-        logits = lm.forward(chunk)
-        bar.update(chunk.shape[1], "prefill")
+    start = 0
+    try:
+        for start in range(0, prompt.shape[1], chunk_size):
+            chunk = prompt[:, start:start + chunk_size]
+            logits = lm.forward(chunk)
+            bar.update(chunk.shape[1], "prefill")
+    except KeyboardInterrupt:   # stopped at a time limit (scripts/job_gpu.sh): say how far the prefill got
+        print(f"stopped during prefill: {start} of {prompt.shape[1]} tokens in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+        raise
     _sync(device)
     t1 = time.perf_counter()
     tokens, decode_ms = [], []
@@ -242,7 +248,14 @@ def ask_questions(lm_document: CpattnLM, document: torch.Tensor, questions: torc
     return new_tokens, timings, forked, stats
 
 
+def context_tokens(args, prompt_tokens: int) -> int:
+    """KV tokens each sequence will hold: the random-KV prefix (``--synthetic-prefix``: its tokens are in the cache,
+    not in the prompt tensor), the prompt, a question, the new tokens."""
+    return args.synthetic_prefix + prompt_tokens + args.max_new_tokens + (args.question_len if args.questions else 0)
+
+
 def service_config(model_config, args, dtype: str, total_tokens: int):
+    """The service the job starts, sized for ``total_tokens`` per sequence (context_tokens)."""
     import cpattn
 
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
@@ -261,11 +274,22 @@ def service_config(model_config, args, dtype: str, total_tokens: int):
         num_shards=args.shards, num_layers=model_config.num_hidden_layers,
         num_q_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
         head_size=head_size, block_size=args.block_size, dtype=dtype, backend=args.backend,
+        prefill_backend=args.prefill_backend or "same",
         kv_cache_dtype=args.kv_cache_dtype, num_blocks_per_shard=blocks, num_cpus_per_shard=args.cpus_per_shard,
         num_gpus_per_shard=args.gpus_per_shard, device="cuda" if args.device == "cuda" else "auto",
         placement_strategy=args.placement_strategy, pcp_min_tokens=args.pcp_min_tokens,
         max_tokens_per_step=max(16384, args.batch * args.chunk_size), **slow,
         name=f"cpattn-job-{os.getpid()}", ray_address=args.address or os.environ.get("RAY_ADDRESS") or None)
+
+
+def service_config_on(model_config, args, dtype: str, total_tokens: int):
+    """service_config with --device cuda's default prefill backend resolved here (default_prefill_backend):
+    (config, why the prefill stays on the decode backend, or "")."""
+    cfg = service_config(model_config, args, dtype, total_tokens)
+    if args.device != "cuda" or args.prefill_backend is not None:
+        return cfg, ""
+    name, why_not = default_prefill_backend(cfg)
+    return cfg.model_copy(update={"prefill_backend": name}), why_not
 
 
 def check_geometry(svc_config, model_config, dtype: str) -> None:
@@ -290,25 +314,47 @@ def check_gpu_memory(svc_config, model, args) -> None:
     from cpattn.errors import ConfigError
 
     free, _ = torch.cuda.mem_get_info(device)
+    problem = kv_fit_problem(svc_config, free, weight_bytes(model))
+    if problem:
+        raise ConfigError(problem)
+
+
+def kv_fit_problem(svc_config, free_bytes: int, model_bytes: int) -> str | None:
+    """Why one shard's KV cache does not fit in ``free_bytes`` beside the client's chunk (None when it fits)."""
     kv = svc_config.blocks_per_shard() * svc_config.bytes_per_block()
-    if kv + CLIENT_HEADROOM_BYTES > free:
-        raise ConfigError(
-            f"the KV cache of one shard ({kv / GIB:.1f} GiB, {svc_config.kv_cache_format}) does not fit beside the "
-            f"model ({weight_bytes(model) / GIB:.1f} GiB) on this GPU: {free / GIB:.1f} GiB are free and the client "
+    if kv + CLIENT_HEADROOM_BYTES <= free_bytes:
+        return None
+    return (f"the KV cache of one shard ({kv / GIB:.1f} GiB, {svc_config.kv_cache_format}) does not fit beside the "
+            f"model ({model_bytes / GIB:.1f} GiB) on this GPU: {free_bytes / GIB:.1f} GiB are free and the client "
             f"needs ~{CLIENT_HEADROOM_BYTES / GIB:.0f} GiB for a chunk's activations; use --kv-cache-dtype fp8_e4m3 "
             "(half the bytes), more shards on more GPUs (--shards 2 on 2 GPUs), or a shorter --prompt-len")
+
+
+def default_prefill_backend(svc_config) -> tuple[str, str]:
+    """--device cuda without --prefill-backend: (FLASH_ATTN, "") where it serves these settings beside the decode
+    backend on this GPU (flash-attn-4 on an H200: causal prefill ~590 TFLOP/s vs TRITON's ~356, while TRITON's
+    split-KV decode is ~10x FA4's at 1M), else ("same", why not)."""
+    from cpattn.attention import select_backend, select_prefill_backend
+    from cpattn.errors import BackendUnavailableError
+
+    try:
+        select_prefill_backend(svc_config, select_backend(svc_config), prefill_backend="FLASH_ATTN")
+    except BackendUnavailableError as exc:
+        first = next((r for reasons in exc.reasons.values() for r in reasons), exc.message)
+        return "same", f"FLASH_ATTN cannot: {first}"
+    return "FLASH_ATTN", ""
 
 
 def run_cpattn(args, model, prompt, questions) -> dict:
     """The job on the cpattn service: started here (or attached with --service), prefilled, decoded, stopped."""
     import cpattn
 
+    why_not = ""   # why the prefill runs on the decode backend, when the job chose that itself
     if args.service:
         svc = cpattn.connect(name=args.service, namespace=args.namespace, address=args.address)
         check_geometry(svc.config, model.config, args.dtype)
     else:
-        total = prompt.shape[1] + args.max_new_tokens + (args.question_len if args.questions else 0)
-        cfg = service_config(model.config, args, args.dtype, total)
+        cfg, why_not = service_config_on(model.config, args, args.dtype, context_tokens(args, prompt.shape[1]))
         check_gpu_memory(cfg, model, args)
         svc = cpattn.start(cfg)
     cfg = svc.config
@@ -319,7 +365,12 @@ def run_cpattn(args, model, prompt, questions) -> dict:
 
     forked = None
     try:
-        backend = "{backend} ({kernel_version}, LSE base {lse_base})".format(**svc.info()["shards"][0])
+        first = svc.info()["shards"][0]
+        backend = "{backend} ({kernel_version}, LSE base {lse_base})".format(**first)
+        if first["prefill_backend"] != first["backend"]:
+            backend += ", prefill {prefill_backend} ({prefill_kernel_version})".format(**first)
+        else:
+            backend += f", prefill on it too{f' ({why_not})' if why_not else ''}"
         print(f"cpattn: {cfg.num_shards} shards, {backend}, KV {cfg.kv_cache_format}; prompt {tuple(prompt.shape)}"
               f"{f' after {args.synthetic_prefix} random-KV tokens' if args.synthetic_prefix else ''}, chunks of "
               f"{args.chunk_size}, {args.max_new_tokens} new tokens"
@@ -354,6 +405,7 @@ def run_cpattn(args, model, prompt, questions) -> dict:
             svc.shutdown()
     result = {"tokens": new_tokens.tolist(), "timings": timings, "backend": backend,
               "decode_graph_steps": lm.graph.counts if lm.graph is not None else None,
+              "decode_backend": first["backend"], "prefill_backend": first["prefill_backend"],
               "service": {"num_shards": cfg.num_shards, "num_gpus_per_shard": cfg.num_gpus_per_shard,
                           "kv_cache_dtype": cfg.kv_cache_format, "block_size": cfg.block_size,
                           "pcp_min_tokens": cfg.pcp_min_tokens},

@@ -9,9 +9,14 @@
 # counted from the script's start) are skipped and say so; each row is also cut off at what is left (the job is
 # stopped: `cpattn submit` stops its job on SIGINT). Estimates are for 2 x H200 with Triton's cache warm (the
 # first row of a fresh machine pays ~30-60 s more for kernel JIT), from: an 8B forward of an 8K chunk ~0.2 s of
-# MLP/projections, attention ~500 TFLOP/s per GPU (8K chunk onto 512K keys ~68 ms per layer on 2 GPUs), so a
-# full prefill costs ~2*L^2*4096*32 FLOP: 128K ~13 s on 1 GPU; 512K ~160 s on 1 GPU, ~90 s on 2; 1M ~600 s
-# (too long for one command) on 1 GPU, ~320 s on 2; plus ~30 s to start the job and build the model.
+# MLP/projections; a full prefill's attention ~2*L^2*4096*32 FLOP (1M: 2.9e17). The job's prefill chunks run on
+# FLASH_ATTN (flash-attn-4, ~500-590 TFLOP/s per GPU; 8K onto 512K keys ~68 ms per layer on 2 GPUs) where it
+# serves, its decode on TRITON (--prefill-backend, the job's default on cuda); an fp8 cache keeps the prefill on
+# TRITON (~356 TFLOP/s: FLASH_ATTN has no per-page fp8 scales). So: 128K ~13 s on 1 GPU; 512K ~160 s on 1 GPU,
+# ~100 s on 2; 1M bf16 on 2 GPUs ~320 s; 1M fp8 (TRITON) ~820 s on 1 GPU (longer than one command), ~450 s on 2;
+# plus ~30 s to start the job, build the model and check layer 0. Measured 2026-11-30 with TRITON prefilling too:
+# cp1-128k 18.5 s, cp2-128k 12.5 s; cp2-1m still prefilling when cut off at 494 s.
+# PREFILL=NAME passes --prefill-backend NAME to every cpattn row (PREFILL=same: the decode backend prefills too).
 # Full cpattn rows also check layer 0 of their last decode step against float64 over the whole context
 # (--oracle-check: its K/V recomputed from the ids, a few seconds even at 1M).
 # Rows "-synth" write random KV for all but the last 8K tokens (--synthetic-prefix): decode at that length and
@@ -35,6 +40,7 @@ OUT=${OUT:-out/job_gpu}
 BUDGET_S=${BUDGET_S:-540}
 SUBMIT=${SUBMIT:-cpattn}
 NEW=${NEW_TOKENS:-64}
+PREFILL=${PREFILL:-}
 ROWS_DIR=/tmp/job_gpu_rows
 mkdir -p "$OUT" "$ROWS_DIR"
 LOG="$OUT/job_gpu.log"
@@ -52,15 +58,15 @@ row_spec() {
     cpu-smoke)      echo "120|0|--device cpu --prompt-len 300 --chunk-size 64 --shards 2" ;;
     check)          echo "200|pytest|" ;;   # tests/gpu/test_long_context_job_gpu.py: 4 layers vs SDPA on 1 and 2 GPUs, the job on CUDA
     check32)        echo "150|check|--shards 1" ;;   # the full 32 layers vs SDPA (+ float32 floor), 2K prompt, 1 GPU
-    cp1-128k)       echo "70|0.5|--prompt-len $K128 --shards 1 --oracle-check" ;;
-    cp2-128k)       echo "70|0.5|--prompt-len $K128 --shards 2 --oracle-check" ;;
+    cp1-128k)       echo "60|0.5|--prompt-len $K128 --shards 1 --oracle-check" ;;
+    cp2-128k)       echo "60|0.5|--prompt-len $K128 --shards 2 --oracle-check" ;;
     sdpa-128k)      echo "80|1|--prompt-len $K128 --attn sdpa" ;;
-    cp1-512k)       echo "230|0.5|--prompt-len $K512 --shards 1 --oracle-check" ;;
-    cp2-512k)       echo "150|0.5|--prompt-len $K512 --shards 2 --oracle-check" ;;
+    cp1-512k)       echo "200|0.5|--prompt-len $K512 --shards 1 --oracle-check" ;;
+    cp2-512k)       echo "140|0.5|--prompt-len $K512 --shards 2 --oracle-check" ;;
     sdpa-512k)      echo "400|1|--prompt-len $K512 --attn sdpa" ;;
-    cp1fp8-1m)      echo "700|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # longer than one command
-    cp2-1m)         echo "380|0.5|--prompt-len $M --shards 2 --oracle-check" ;;
-    cp2fp8-1m)      echo "380|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;
+    cp1fp8-1m)      echo "860|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # longer than one command
+    cp2-1m)         echo "400|0.5|--prompt-len $M --shards 2 --oracle-check" ;;
+    cp2fp8-1m)      echo "490|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;
     sdpa-1m)        echo "700|1|--prompt-len $M --attn sdpa" ;;
     cp1-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 1" ;;
     cp2-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 2" ;;
@@ -107,6 +113,7 @@ submit() {   # submit <row> <entrypoint GPUs> <seconds left> <job args...>
   rm -f "$json"
   local job=(python3 examples/long_context_job.py --max-new-tokens "$NEW" --no-progress --json-out "$json" "$@")
   [[ " $* " == *" --device cpu "* ]] || job+=(--device cuda --chunk-size 8192)
+  [[ -n "$PREFILL" && " $* " != *" --attn sdpa "* ]] && job+=(--prefill-backend "$PREFILL")
   local gpu_flag=(); [ "$gpus" != 0 ] && gpu_flag=(--entrypoint-num-gpus "$gpus")
   if [ "$SUBMIT" = direct ]; then   # no job server: the job as a plain process with its own embedded Ray
     say "python3 examples/long_context_job.py ${job[*]:2} (direct, embedded Ray)"

@@ -175,12 +175,54 @@ def test_rows_table_for_results(tmp_path):
     ok = {"status": "ok", "attn": "cpattn", "service": {"num_shards": 2, "kv_cache_dtype": "bfloat16"},
           "model": {"dtype": "bfloat16"}, "context_tokens": 1048576, "prefill_tokens": 1048576, "prefill_s": 300.0,
           "prefill_tokens_per_s": 3495.25, "decode_ms_per_token_median": 25.5, "decode_ms_per_token_mean": 26.25,
-          "kv_gib_per_shard": 64.0, "oracle": {"rel_err": 0.0031}, "synthetic_prefix": 0}
+          "kv_gib_per_shard": 64.0, "oracle": {"rel_err": 0.0031}, "synthetic_prefix": 0,
+          "decode_backend": "TRITON", "prefill_backend": "FLASH_ATTN"}
     (tmp_path / "cp2-1m.json").write_text(json.dumps(ok))
     (tmp_path / "sdpa-1m.json").write_text(json.dumps({"status": "oom", "oom": "OOM at 917504 tokens"}))
     assert rows.main([str(tmp_path), str(tmp_path / "all.json"), "cp2-1m", "sdpa-1m", "cp1-1m"]) == 0
     table = (tmp_path / "all.md").read_text().splitlines()
-    assert table[2] == ("| cp2-1m | cpattn | 2 | bfloat16 | 1,048,576 | 1,048,576 | 300.0 | 3,495 | 25.50 (26.25) | 64.0 "
+    assert table[2] == ("| cp2-1m | cpattn TRITON, prefill FLASH_ATTN | 2 | bfloat16 | 1,048,576 | 1,048,576 | 300.0 | 3,495 | 25.50 (26.25) | 64.0 "
                         "| 3.1e-03 | ok |")
     assert table[3].endswith("| oom: OOM at 917504 tokens |") and table[4].endswith("| not run: rc= |")
     assert set(json.loads((tmp_path / "all.json").read_text())) == {"cp2-1m", "sdpa-1m", "cp1-1m"}
+
+
+def test_the_kv_cache_is_sized_for_the_random_prefix_too(monkeypatch):
+    """The cp1fp8-1m-synth row (1M tokens, all but the last 8K random KV, fp8, one GPU) was refused at once: the job
+    sized the cache for the prompt tensor (8K) and the new tokens only, 8,288 tokens, not for the random-KV prefix.
+    Sized for all 1M, the fp8 cache is 64 GiB and fits one H200 beside the 15 GiB model; bf16 does not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    job, models, report = _load("long_context_job"), _load("job_models"), _load("job_report")
+    model = models.build_model("llama3-8b", seed=0, num_layers=None, dtype="bfloat16", device="meta")
+    flags = ["--device", "cuda", "--prompt-len", "1048576", "--synthetic-prefix", "1040384", "--shards", "1",
+             "--chunk-size", "8192", "--max-new-tokens", "64"]
+    h200_free = int(139.8 * report.GIB) - models.weight_bytes(model)
+    for kv_dtype, gib in (("fp8_e4m3", 64), ("auto", 128)):
+        args = _resolve(flags + ["--kv-cache-dtype", kv_dtype])
+        total = job.context_tokens(args, args.prompt_len - args.synthetic_prefix)   # the prompt tensor's length
+        assert total == 1048576 + 64
+        cfg = job.service_config(model.config, args, args.dtype, total)
+        assert total <= cfg.blocks_per_shard() * cfg.block_size <= total + 3 * cfg.block_size
+        kv = cfg.blocks_per_shard() * cfg.bytes_per_block()   # 32 layers x K,V x 8 heads x 128 x 1 or 2 bytes
+        assert kv == pytest.approx(gib * report.GIB, rel=1e-3)
+        problem = job.kv_fit_problem(cfg, h200_free, models.weight_bytes(model))
+        if kv_dtype == "auto":
+            assert problem.startswith("the KV cache of one shard (128.0 GiB, bfloat16) does not fit beside the model")
+        else:
+            assert problem is None
+
+
+def test_prefill_backend_flag(monkeypatch):
+    from cpattn.errors import ConfigError
+
+    job = _load("long_context_job")
+    assert _resolve([]).prefill_backend is None   # the service's default (same) on cpu
+    with pytest.raises(ConfigError, match="--attn sdpa has none, drop --prefill-backend"):
+        _resolve(["--attn", "sdpa", "--prefill-backend", "FLASH_ATTN"])
+    with pytest.raises(ConfigError, match="an attached one .--service. keeps its own prefill_backend"):
+        _resolve(["--service", "cpattn", "--prefill-backend", "FLASH_ATTN"])
+    # --device cuda's default: FLASH_ATTN where it serves beside the decode backend, else the decode backend and why.
+    import cpattn
+
+    cfg = cpattn.ServiceConfig(num_layers=2, device="cpu", dtype="float32")
+    assert job.default_prefill_backend(cfg) == ("same", "FLASH_ATTN cannot: device cpu not supported (supports cuda)")

@@ -2,6 +2,7 @@
 
 ``select_backend(config, device)`` is the one choice the service makes (shards, the client opening a
 shard's cache, the checks before anything starts); ``get_attn_backend`` is its keyword form.
+``select_prefill_backend`` adds the backend of prefill steps beside it (``prefill_backend``), on the same cache.
 Explicit never silently swaps: a user who pinned FLASHINFER gets FLASHINFER or an error listing why
 not. Results are cached on a key holding every factor that changes the answer, including the
 registry generation so a plugin registered later is seen.
@@ -58,6 +59,71 @@ def select_backend(config, device: str | torch.device | None = None, *, backend:
                             block_size=config.block_size, num_q_heads=config.num_q_heads,
                             num_kv_heads=config.num_kv_heads, device=device or config.resolved_device(),
                             platform_here=platform_here, **config.backend_features())
+
+
+# auto's prefill order (prefill_backend: auto), by causal-prefill speed on an H200 (benchmarks/RESULTS.md "Causal
+# prefill": FA4 ~590 TFLOP/s, FlashInfer ~550, TRITON ~356); the decode backend ends the search, so a backend
+# slower at prefill than it is never taken. CPU: TORCH is the only backend, decode and prefill alike.
+PREFILL_PRIORITY = {"cuda": ["FLASH_ATTN", "FLASHINFER"], "cpu": []}
+SAME = "same"
+
+
+def select_prefill_backend(config, decode: type[AttentionBackend], device: str | torch.device | None = None, *,
+                           prefill_backend: str | None = None, platform_here: bool = True) -> type[AttentionBackend]:
+    """The backend of the config's prefill steps beside ``decode`` (select_backend's choice), sharing its cache.
+
+    ``config.prefill_backend`` (or ``prefill_backend``, a client taking the name its shard chose): ``same`` is
+    ``decode``; a name is validated as select_backend validates ``backend`` (every reason), then against
+    ``decode``'s cache (``pair_reasons``): BackendUnavailableError saying what to change; ``auto`` takes the
+    first of PREFILL_PRIORITY that passes both, else ``decode`` (auto never fails where decode serves).
+    """
+    name = prefill_backend or config.prefill_backend
+    if name == SAME or name.upper() == decode.get_name():
+        return decode
+    if name != "auto":
+        chosen = select_backend(config, device, backend=name, platform_here=platform_here)
+        reasons = pair_reasons(config, decode, chosen)
+        if reasons:
+            raise BackendUnavailableError(
+                f"prefill_backend {chosen.get_name()} cannot share backend {decode.get_name()}'s paged KV cache: set "
+                f"prefill_backend to same or auto, or choose a backend (or block_size) both can use",
+                {chosen.get_name(): reasons})
+        return chosen
+    device_type = torch.device(device or config.resolved_device()).type
+    for candidate in PREFILL_PRIORITY.get(device_type, []):
+        if candidate == decode.get_name():
+            break
+        try:
+            chosen = select_backend(config, device, backend=candidate, platform_here=platform_here)
+        except BackendUnavailableError:
+            continue
+        if not pair_reasons(config, decode, chosen):
+            return chosen
+    return decode
+
+
+def pair_reasons(config, decode: type[AttentionBackend], prefill: type[AttentionBackend]) -> list[str]:
+    """Why ``prefill`` cannot read and write the one paged KV cache a shard allocates for ``decode`` ([] when
+    it can): the same cache layout, and one kernel page size both accept (the runner views the cache and
+    expands block tables once per step for both). dtype, fp8, windows and soft caps are each backend's own
+    validation against the config; LSEs are converted per backend (to_natural_lse), so bases may differ."""
+    from cpattn.errors import InvalidRequestError
+    from cpattn.kvstore import select_common_kernel_block_size
+
+    reasons = []
+    shape = (3, config.block_size, config.num_kv_heads, config.head_size)   # 3 pages: not confused with K/V's 2
+    mine, theirs = prefill.get_kv_cache_shape(*shape), decode.get_kv_cache_shape(*shape)
+    if tuple(mine) != tuple(theirs):
+        reasons.append(f"its KV cache layout {tuple(mine)} differs from {decode.get_name()}'s {tuple(theirs)} "
+                       "(for 3 pages)")
+    try:
+        select_common_kernel_block_size(config.block_size, [decode.get_supported_kernel_block_sizes(),
+                                                            prefill.get_supported_kernel_block_sizes()])
+    except InvalidRequestError:
+        reasons.append(f"no kernel page size divides block_size {config.block_size} and suits both it "
+                       f"({prefill.get_supported_kernel_block_sizes()}) and {decode.get_name()} "
+                       f"({decode.get_supported_kernel_block_sizes()})")
+    return reasons
 
 
 def clear_selector_cache() -> None:

@@ -12,7 +12,7 @@ import time
 
 import ray
 
-from cpattn.attention import select_backend
+from cpattn.attention import select_backend, select_prefill_backend
 from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, open_shared_cache
 from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.data_plane import DataPlane, create_group
@@ -53,7 +53,8 @@ class GroupMembership:
         for rank in local_ranks:
             handles = call(self.shards[rank].export_kv.remote(self.group_name, self._ticket), cfg.rpc_timeout_s,
                            "export_kv")
-            backend = select_backend(cfg, self.device, backend=infos[rank].backend)
+            backend = select_backend(cfg, self.device, backend=infos[rank].backend)   # the shard's choices
+            prefill = select_prefill_backend(cfg, backend, self.device, prefill_backend=infos[rank].prefill_backend)
             try:
                 # Every layer's cache, then (fp8) every layer's page scales: pages belong to one sequence, so this
                 # client growing its pages' scales never touches another client's (cpattn/kvstore/fp8.py).
@@ -63,7 +64,7 @@ class GroupMembership:
                 raise ServiceError(f"could not open shard {rank}'s KV cache on {self.device} by CUDA IPC ({exc}): "
                                    "run the client where the shard's GPU is visible, or set local_shards='off' "
                                    "to reach every shard over the data plane") from exc
-            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device, scales)
+            self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device, scales, prefill)
             self.local_graphs[rank] = self.local[rank].new_graphs()
         self.remote = [r for r in range(cfg.num_shards) if r not in self.local]
         self.plane = None

@@ -44,6 +44,9 @@ class PlannedStep:
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
+    runner: "ShardLayerRunner | None" = None
+    """The runner that planned the step and runs its layers: the prefill backend's for a prefill step (any
+    sequence with more than one new token), else the runner asked (the decode backend's)."""
 
 
 def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,8 +55,13 @@ def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class ShardLayerRunner:
+    """One shard's layers on its KV cache with the decode backend ``backend_cls`` and, when ``prefill_backend_cls``
+    is another backend (select_prefill_backend), a second runner of that backend on the same cache that plans
+    and runs every prefill step. Both see the cache through one kernel page size both accept."""
+
     def __init__(self, config: ServiceConfig, backend_cls, kv_caches: list[torch.Tensor], device: torch.device,
-                 kv_scales: list[torch.Tensor] | None = None):
+                 kv_scales: list[torch.Tensor] | None = None, prefill_backend_cls=None,
+                 kernel_block_size: int | None = None):
         self.config = config
         self.backend = backend_cls
         self.kv_caches = kv_caches
@@ -66,8 +74,9 @@ class ShardLayerRunner:
         self.device = device
         self.dtype = config.torch_dtype
         self.lse_dtype = lse_wire_dtype(self.dtype)
-        self.kernel_block_size = select_common_kernel_block_size(
-            config.block_size, [backend_cls.get_supported_kernel_block_sizes()])
+        both = [backend_cls] + ([prefill_backend_cls] if prefill_backend_cls not in (None, backend_cls) else [])
+        self.kernel_block_size = kernel_block_size or select_common_kernel_block_size(
+            config.block_size, [b.get_supported_kernel_block_sizes() for b in both])
         spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
                              self.kernel_block_size, str(device), tuple(config.layer_windows()),
                              tuple(config.layer_soft_caps()))
@@ -78,6 +87,9 @@ class ShardLayerRunner:
         self.split_prefixes = (not getattr(backend_cls, "reads_shared_prefix_once", False)
                                and not any(w is not None for w in config.layer_windows()))
         self._prefix_builder = None   # its own builder: a FlashInfer builder's wrappers hold one plan each
+        self.prefill_runner = None if len(both) == 1 else ShardLayerRunner(
+            config, prefill_backend_cls, kv_caches, device, kv_scales, kernel_block_size=self.kernel_block_size)
+        self.prefill_backend = both[-1]
 
     def new_graphs(self) -> DecodeGraphs | None:
         """A set of decode graphs for one caller that runs one step at a time (a client's connection), or
@@ -86,8 +98,11 @@ class ShardLayerRunner:
 
     def plan(self, plan: ShardStepPlan, graphs: DecodeGraphs | None = None) -> PlannedStep:
         """Once per step: the backend plans, and the step's index tensors move to the device once; with
-        ``graphs`` (new_graphs()) a decode-only step is readied to replay them."""
+        ``graphs`` (new_graphs()) a decode-only step is readied to replay them. A prefill step (a sequence with
+        more than one new token) is planned and run by the prefill backend's runner, without graphs."""
         md = plan.metadata
+        if self.prefill_runner is not None and md.max_query_len > 1:
+            return self.prefill_runner.plan(plan)
         if self.kernel_block_size != self.config.block_size:
             # Slots are token addresses, identical under both page sizes; only the table changes.
             md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
@@ -110,7 +125,8 @@ class ShardLayerRunner:
             slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
             scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
         copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
+                           self)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +134,8 @@ class ShardLayerRunner:
 
         No host synchronisation and no Python work that grows with T: every index was planned.
         """
+        if step.runner is not None and step.runner is not self:
+            return step.runner.run_layer(step, layer, q_TQD, k_TKD, v_TKD)   # a prefill step: its backend's runner
         if step.copies is not None:
             copy_pages(self.kv_caches[layer], step.copies)   # copy on write: before this layer's KV update
             if self.kv_format is not None:   # an fp8 page's scales go with its bytes ([2, pages, Hk] per layer)

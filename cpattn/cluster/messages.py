@@ -42,6 +42,9 @@ class ShardInfo:
     """The attention backend's name (select_backend's choice in the shard's process)."""
     kernel_version: str | None = None
     lse_base: str | None = None
+    prefill_backend: str | None = None
+    """The backend of its prefill steps (select_prefill_backend's choice; = backend unless prefill_backend says)."""
+    prefill_kernel_version: str | None = None
     num_blocks: int | None = None
     kernel_block_size: int | None = None
     ready: bool = True

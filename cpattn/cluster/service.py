@@ -108,21 +108,22 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
 
 
 def check_backend(config: ServiceConfig) -> None:
-    """Select the attention backend here, as every shard will, before any actor (or Ray) starts.
+    """Select the attention backends (decode and prefill) here, as every shard will, before any actor (or Ray) starts.
 
     Raises BackendUnavailableError with every reason. CPU shards run the same selection on the same registry
     (plugins included), so it is checked in full. GPU shards may have devices and kernel packages this process
     lacks: here only what the backend declares is checked against the settings (an explicit TRITON asked for
     an fp8 cache it cannot serve fails now); the platform is probed in the first bundle once placed.
     """
-    from cpattn.attention.selector import select_backend
+    from cpattn.attention.selector import select_backend, select_prefill_backend
     from cpattn.kvstore import select_common_kernel_block_size
 
     if config.resolved_device() != "cpu":
-        select_backend(config, platform_here=False)
+        select_prefill_backend(config, select_backend(config, platform_here=False), platform_here=False)
         return
     backend = select_backend(config, "cpu")
-    select_common_kernel_block_size(config.block_size, [backend.get_supported_kernel_block_sizes()])
+    prefill = select_prefill_backend(config, backend, "cpu")   # an explicit one sharing the cache, every reason
+    select_common_kernel_block_size(config.block_size, [b.get_supported_kernel_block_sizes() for b in (backend, prefill)])
 
 
 def find_coordinator(name: str, namespace: str):

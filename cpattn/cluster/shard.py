@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cpattn.attention import select_backend
+from cpattn.attention import select_backend, select_prefill_backend
 from cpattn.attention.registry import apply_registry_state
 from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
@@ -58,9 +58,9 @@ class ShardWorker(ShardKVPages, ShardGroups):
             torch.set_num_threads(max(1, int(config.num_cpus_per_shard)))
         self.dtype = config.torch_dtype
         self.backend = select_backend(config, self.device)
+        self.prefill_backend = select_prefill_backend(config, self.backend, self.device)   # same cache, pair checked
         self.num_blocks = config.blocks_per_shard()
-        shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads,
-                                                config.head_size)
+        shape = self.backend.get_kv_cache_shape(self.num_blocks, config.block_size, config.num_kv_heads, config.head_size)
         self.kv_format = config.kv_cache_format if is_fp8(config.kv_cache_format) else None
         self.cache_dtype = fp8_dtype(self.kv_format) if self.kv_format else self.dtype
         self.kv_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
@@ -71,7 +71,8 @@ class ShardWorker(ShardKVPages, ShardGroups):
             initial_page_scales(self.num_blocks, config.num_kv_heads,
                                 None if config.kv_scales is None else config.kv_scales[layer], self.device)
             for layer in range(config.num_layers)]
-        self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales)
+        self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales,
+                                       self.prefill_backend)
         self.kernel_block_size = self.runner.kernel_block_size
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
@@ -84,7 +85,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
         self._fence = StepFence()   # coordinator fencing: steps of an older incarnation never write (fencing.py)
         logger.info("shard %d: backend %s (%s), %d blocks of %d tokens, kernel pages of %d, device %s",
                     bundle_index, self.backend.get_name(), self.backend.kernel_version(), self.num_blocks,
-                    config.block_size, self.kernel_block_size, self.device)
+                    config.block_size, self.kernel_block_size, self.device)   # the prefill backend: the selector's log
 
     # Authority (the remote surface calls this before every method: cluster.authority) ----------------
     def authorize(self, rule: authority.Rule, proof, arguments: dict, method: str) -> None:
@@ -124,6 +125,8 @@ class ShardWorker(ShardKVPages, ShardGroups):
         return ShardInfo(bundle_index=self.bundle_index, node_id=node_id, node_ip=node_ip, gpu_ids=gpu_ids,
                          gpu_uuid=gpu_uuid, pid=os.getpid(), device=str(self.device), backend=self.backend.get_name(),
                          kernel_version=self.backend.kernel_version(), lse_base=self.backend.lse_base.name,
+                         prefill_backend=self.prefill_backend.get_name(),
+                         prefill_kernel_version=self.prefill_backend.kernel_version(),
                          num_blocks=self.num_blocks, kernel_block_size=self.kernel_block_size, ready=self._ready,
                          kv_cache_dtype=str(self.cache_dtype).removeprefix("torch."),
                          kv_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches))

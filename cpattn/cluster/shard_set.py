@@ -32,13 +32,16 @@ CONTROL_THREADS = 4
 
 
 def probe_backend(config: ServiceConfig, backend_registry: dict | None) -> str:
-    """Select the shards' backend as a shard would; raises BackendUnavailableError with ``.reasons``."""
-    from cpattn.attention import select_backend
+    """Select the shards' backend (and prefill backend) as a shard would; raises BackendUnavailableError with
+    ``.reasons``. Returns the decode backend's name."""
+    from cpattn.attention import select_backend, select_prefill_backend
     from cpattn.attention.registry import apply_registry_state
 
     if backend_registry:
         apply_registry_state(backend_registry)
-    return select_backend(config).get_name()
+    backend = select_backend(config)
+    select_prefill_backend(config, backend)
+    return backend.get_name()
 
 
 def shard_actor_name(service_name: str, bundle_index: int) -> str:
@@ -90,8 +93,8 @@ class ShardSet:
 
     def _probe_backend_in_bundle(self) -> None:
         cfg = self.config
-        if cfg.resolved_device() == "cpu" or cfg.backend == "auto":
-            return
+        if cfg.resolved_device() == "cpu" or (cfg.backend == "auto" and cfg.prefill_backend in ("same", "auto")):
+            return   # nothing explicit to probe: auto and same fail, if at all, in the shards themselves
         probe = ray.remote(probe_backend).options(
             num_cpus=0, num_gpus=cfg.num_gpus_per_shard,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0))

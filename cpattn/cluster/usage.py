@@ -28,7 +28,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
                        "blocks_shared": pool.num_shared_blocks,
                        "blocks_total": pool.num_blocks, "token_capacity": pool.num_blocks * cfg.block_size,
                        "tokens": tokens_on(table, rank), "bytes": pool.num_used_blocks * bytes_per_block,
-                       **{k: info.get(k) for k in ("node_ip", "node_id", "device", "backend")},
+                       **{k: info.get(k) for k in ("node_ip", "node_id", "device", "backend", "prefill_backend")},
                        "alive": rank not in shard_set.lost})
     per_client, others = usage_by_client(table, me, admin)
     return {"shards": shards, "num_sequences": len(table.sequences), "clients": per_client,
@@ -36,6 +36,7 @@ def usage_report(cfg: ServiceConfig, table: SequenceTable, shard_set: ShardSet, 
             "kv_replicas": cfg.kv_replicas, "kv_cache_dtype": cfg.kv_cache_format, "kv_bytes_per_block": bytes_per_block,
             "backend": infos[0].backend if infos else None,
             "kernel_version": infos[0].kernel_version if infos else None,
+            "prefill_backend": infos[0].prefill_backend if infos else None,
             "steps_committed": steps.num_committed, "steps_rolled_back": steps.num_rolled_back,
             "shards_replaced": extra["shards_replaced"], "epoch": extra["epoch"], "open_steps": len(steps),
             "num_clients": len(clients)}

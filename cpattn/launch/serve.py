@@ -43,7 +43,8 @@ def serve(args: argparse.Namespace) -> int:
     nodes = sorted({s["node_id"] for s in shards})
     first = shards[0]
     print(f"cpattn service {cfg.name!r} (namespace {cfg.namespace!r}) is up: {len(shards)} shards on "
-          f"{len(nodes)} node(s), backend {first['backend']} ({first['kernel_version']}), device {first['device']}, "
+          f"{len(nodes)} node(s), backend {first['backend']} ({first['kernel_version']}), prefill {first.get('prefill_backend')}, "
+          f"device {first['device']}, "
           f"{first['num_blocks']} blocks of {cfg.block_size} tokens per shard", flush=True)
     path = operator.credential_path(ray.get_runtime_context().gcs_address, cfg.namespace, cfg.name)
     operator.save(path, operator_credential)

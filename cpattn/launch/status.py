@@ -64,6 +64,7 @@ def format_status(status: dict) -> str:
     lines = [
         f"service {cfg['name']!r} (namespace {cfg['namespace']!r}): {len(shards)} shards on {len(nodes)} node(s)",
         f"backend {stats.get('backend') or first.get('backend')} ({stats.get('kernel_version') or first.get('kernel_version')}), "
+        f"prefill {stats.get('prefill_backend') or first.get('prefill_backend')}, "
         f"LSE base {first.get('lse_base')}, dtype {cfg['dtype']}, block_size {cfg['block_size']} "
         f"(kernel pages {first.get('kernel_block_size')}), dcp_interleave {cfg['dcp_interleave']}, "
         f"placement {cfg['placement_strategy']}",

@@ -40,7 +40,21 @@ def test_cpattn_matches_sdpa_on_gpu(ray_session, tmp_path, shards):
     assert report["ok"] and report["greedy_mismatches_not_near_tie"] == 0
     assert report["steps_over_bound"] == 0
     assert 0 in report["local_shards"]                      # the shard on this GPU computed in-process
+    # The prefill chunks on FLASH_ATTN where flash-attn serves here (the job's default on cuda), else on the backend.
+    assert report["prefill_backend"] == ("FLASH_ATTN" if _flash_attn_serves() else report["backend"])
     assert report["data_plane"] == ("none" if shards == 1 else "nccl")
+
+
+def _flash_attn_serves() -> bool:
+    from cpattn.attention import get_attn_backend
+    from cpattn.errors import BackendUnavailableError
+
+    try:
+        get_attn_backend("FLASH_ATTN", head_size=128, dtype=torch.bfloat16, block_size=16, num_q_heads=32,
+                         num_kv_heads=8, device="cuda")
+    except BackendUnavailableError:
+        return False
+    return True
 
 
 def test_job_runs_on_cuda_with_json(tmp_path):
@@ -62,4 +76,6 @@ def test_job_runs_on_cuda_with_json(tmp_path):
     assert job["prefill_tokens_per_s"] > 0 and job["decode_ms_per_token_median"] > 0
     assert sum(s["tokens"] for s in job["kv_per_shard"]) == 8192 + 7
     assert job["environment"]["gpu"]
+    assert job["decode_backend"] == "TRITON" and job["prefill_backend"] == ("FLASH_ATTN" if _flash_attn_serves()
+                                                                            else "TRITON")
     assert job["oracle"]["ok"] and job["oracle"]["keys"] == 8192 + 7   # layer 0 vs float64 over every key

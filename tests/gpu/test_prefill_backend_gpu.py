@@ -1,0 +1,71 @@
+"""prefill_backend on the GPU (issue 23): the service with prefill FLASH_ATTN (flash-attn-4) beside decode TRITON
+on one GPU (both shards computed in the client's process on their caches opened by CUDA IPC) and on two (one
+in-process, one a shard actor over NCCL), every layer of prefill chunks (PCP-split), mixed and decode steps vs
+the float64 oracle; decode steps still replay TRITON's CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# Prefill chunks (split across the shards from 64 tokens), a mixed step, then decodes (graphed after a warm-up).
+REQUESTS = ({"a": 300, "b": 17}, {"a": 1, "b": 1, "c": 130}, {"a": 1, "b": 40, "c": 1}) + ({"a": 1, "b": 1, "c": 1},) * 4
+
+
+def _why_not() -> str | None:
+    from cpattn.attention import get_attn_backend
+    from cpattn.errors import BackendUnavailableError
+
+    try:
+        for name in ("TRITON", "FLASH_ATTN"):
+            get_attn_backend(name, head_size=128, dtype=torch.bfloat16, block_size=16, num_q_heads=8, num_kv_heads=2,
+                             device="cuda")
+    except BackendUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpus):
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle
+
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    if gpus > torch.cuda.device_count():
+        pytest.skip(f"needs {gpus} GPUs")
+    # Long timeouts: FA4 compiles its kernels on first use, in the remote shard's process too.
+    cfg = service_config(num_shards=2, num_layers=3, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="FLASH_ATTN",
+                         num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
+                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0)
+    svc = cpattn.start(cfg)
+    try:
+        shards = svc.info()["shards"]
+        assert {(s["backend"], s["prefill_backend"]) for s in shards} == {("TRITON", "FLASH_ATTN")}
+        gw = svc.gateway
+        assert sorted(gw.local) == ([0, 1] if gpus == 1 else [0])   # the client computes the shards on its GPU
+        assert all(r.backend.get_name() == "TRITON" and r.prefill_backend.get_name() == "FLASH_ATTN"
+                   for r in gw.local.values())
+        oracle = Oracle(cfg, seed=5)
+        ids = {name: svc.add_sequence() for name in "abc"}
+        for named in REQUESTS:
+            request = {ids[n]: t for n, t in named.items()}
+            pending = {}
+            with svc.step(request) as step:
+                for layer in range(cfg.num_layers):
+                    q, k, v = oracle.random_qkv(sum(request.values()))
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert rel < 1e-2, f"{gpus} GPU(s) {named} layer {layer}: relative error {rel:.2e}"
+                    pending.update(new_kv)
+            oracle.commit(pending)
+        # Decode steps ran on TRITON's captured graphs (prefill steps never prepare them).
+        assert all(g is not None and g.key is not None for g in gw.local_graphs.values())
+    finally:
+        svc.shutdown()
