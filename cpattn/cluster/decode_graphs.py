@@ -34,6 +34,7 @@ class DecodeGraphs:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replica: torch.Tensor | None = None
+        self.prefix_static, self.prefix_rows = None, None
         self.disabled = False
 
     @staticmethod
@@ -45,24 +46,36 @@ class DecodeGraphs:
                 and all(hasattr(runner.builder, h) for h in ("graph_key", "make_static", "refill")))
 
     def prepare(self, attn_metadata, replica_slots: torch.Tensor | None, pieces: torch.Tensor,
-                rows: torch.Tensor | None) -> bool:
-        """Ready this step's graphs (capturing on a new bucket); False when the step must run eagerly."""
+                rows: torch.Tensor | None, prefix_pass: tuple | None = None) -> bool:
+        """Ready this step's graphs (capturing on a new bucket); False when the step must run eagerly.
+        ``prefix_pass`` (plan, rows): forks' shared prefixes read once (layer_runner.attend_prefix), captured with
+        the layer: its plan's buffers are refilled like the step's (a decode loop keeps its forks, so its bucket)."""
         if self.disabled or pieces.numel() or rows is not None:
             return False
-        key = self.runner.builder.graph_key(attn_metadata)
+        builder = self.runner.builder
+        key = builder.graph_key(attn_metadata)
         if key is None:
             return False
-        key = key + (replica_slots is not None,)
+        prefix_key = None
+        if prefix_pass is not None:
+            prefix_key = builder.graph_key(prefix_pass[0])
+            if prefix_key is None:
+                return False
+            prefix_key = (prefix_key, prefix_pass[1].numel())
+        key = key + (replica_slots is not None, prefix_key)
         if key != self.key:
             try:
-                self._capture(attn_metadata, key)
+                self._capture(attn_metadata, key, prefix_pass)
             except RuntimeError as exc:   # a kernel or op that cannot be captured here: stay eager
                 logger.warning("CUDA graphs off for this shard (%s); decode runs eagerly", exc)
                 self.disabled, self.key, self.graphs, self.outputs = True, None, [], []
                 return False
-        self.runner.builder.refill(self.static, attn_metadata)
+        builder.refill(self.static, attn_metadata)
         if replica_slots is not None:
             self.replica.copy_(replica_slots)
+        if prefix_pass is not None:
+            builder.refill(self.prefix_static, prefix_pass[0])
+            self.prefix_rows.copy_(prefix_pass[1])
         return True
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
@@ -81,9 +94,13 @@ class DecodeGraphs:
             write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica)
         kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
         out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static)
-        return out.to(r.dtype), to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
+        lse = to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
+        if self.prefix_static is not None:
+            out, lse = r.attend_prefix(layer, (self.prefix_static, self.prefix_rows), self.q, self.k, self.v, kv_cache,
+                                       out, lse, {})
+        return out.to(r.dtype), lse
 
-    def _capture(self, attn_metadata, key: tuple) -> None:
+    def _capture(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
         r, cfg = self.runner, self.runner.config
         self.graphs, self.outputs, self.key = [], [], None
         t = key[0]
@@ -93,6 +110,10 @@ class DecodeGraphs:
         self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
         self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
+        self.prefix_static, self.prefix_rows = None, None
+        if prefix_pass is not None:   # its rows stay 0 and its tables empty until refilled (reads only)
+            self.prefix_static = r.builder.make_static(prefix_pass[0], key[4][0])
+            self.prefix_rows = torch.zeros_like(prefix_pass[1])
         # Warm-up: JIT compilation and allocations happen outside the capture.
         self.graphs, self.outputs = capture_graphs(r.device, cfg.num_layers, self._layer, warmup=lambda: self._layer(0),
                                                    sync_device=False)
