@@ -52,17 +52,9 @@ class DecodeGraphs:
         the layer: its plan's buffers are refilled like the step's (a decode loop keeps its forks, so its bucket)."""
         if self.disabled or pieces.numel() or rows is not None:
             return False
-        builder = self.runner.builder
-        key = builder.graph_key(attn_metadata)
+        key = self.bucket(attn_metadata, replica_slots, prefix_pass)
         if key is None:
             return False
-        prefix_key = None
-        if prefix_pass is not None:
-            prefix_key = builder.graph_key(prefix_pass[0])
-            if prefix_key is None:
-                return False
-            prefix_key = (prefix_key, prefix_pass[1].numel())
-        key = key + (replica_slots is not None, prefix_key)
         if key != self.key:
             try:
                 self._capture(attn_metadata, key, prefix_pass)
@@ -70,6 +62,7 @@ class DecodeGraphs:
                 logger.warning("CUDA graphs off for this shard (%s); decode runs eagerly", exc)
                 self.disabled, self.key, self.graphs, self.outputs = True, None, [], []
                 return False
+        builder = self.runner.builder
         builder.refill(self.static, attn_metadata)
         if replica_slots is not None:
             self.replica.copy_(replica_slots)
@@ -77,6 +70,21 @@ class DecodeGraphs:
             builder.refill(self.prefix_static, prefix_pass[0])
             self.prefix_rows.copy_(prefix_pass[1])
         return True
+
+    def bucket(self, attn_metadata, replica_slots: torch.Tensor | None, prefix_pass: tuple | None) -> tuple | None:
+        """The graphs' key of a step: the backend's (T, S, width bucket), replica writes, and the prefix pass's
+        own key with its row count; None when the backend cannot replay this step."""
+        builder = self.runner.builder
+        key = builder.graph_key(attn_metadata)
+        if key is None:
+            return None
+        prefix_key = None
+        if prefix_pass is not None:
+            prefix_key = builder.graph_key(prefix_pass[0])
+            if prefix_key is None:
+                return None
+            prefix_key = (prefix_key, prefix_pass[1].numel())
+        return key + (replica_slots is not None, prefix_key)
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
             v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,21 +109,27 @@ class DecodeGraphs:
         return out.to(r.dtype), lse
 
     def _capture(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
-        r, cfg = self.runner, self.runner.config
+        r = self.runner
         self.graphs, self.outputs, self.key = [], [], None
+        self.make_buffers(attn_metadata, key, prefix_pass)
+        # Warm-up: JIT compilation and allocations happen outside the capture.
+        self.graphs, self.outputs = capture_graphs(r.device, r.config.num_layers, self._layer,
+                                                   warmup=lambda: self._layer(0), sync_device=False)
+        self.key = key
+        logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)
+
+    def make_buffers(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
+        """The buffers of ``key``'s bucket that the graphs read (``_layer`` runs from them; so does a CPU test,
+        without capture). Slots stay -1 (no writes) until refill puts a step's in; a prefix pass's rows stay 0
+        and its table empty (reads only)."""
+        r, cfg = self.runner, self.runner.config
         t = key[0]
         hq, hk = cfg.num_q_heads, cfg.num_kv_heads
-        # Buffers the graphs read; slots stay -1 (no writes) until refill puts this step's in.
         self.static = r.builder.make_static(attn_metadata, key[:3])
         self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
         self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
         self.prefix_static, self.prefix_rows = None, None
-        if prefix_pass is not None:   # its rows stay 0 and its tables empty until refilled (reads only)
+        if prefix_pass is not None:
             self.prefix_static = r.builder.make_static(prefix_pass[0], key[4][0])
             self.prefix_rows = torch.zeros_like(prefix_pass[1])
-        # Warm-up: JIT compilation and allocations happen outside the capture.
-        self.graphs, self.outputs = capture_graphs(r.device, cfg.num_layers, self._layer, warmup=lambda: self._layer(0),
-                                                   sync_device=False)
-        self.key = key
-        logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)
