@@ -59,9 +59,9 @@ def test_groups_match_a_page_by_page_reference(seed):
     assert [(g.requests, g.num_keys) for g in got] == _page_by_page(table, visible, BLOCK, min_keys)
 
 
-def _forked_run(num_shards, interleave, lengths, steps, replicas=1):
+def _forked_run(num_shards, interleave, lengths, steps, replicas=1, block=BLOCK):
     """A source sequence, forks of it at ``lengths`` (the first one the source itself), and a decode run's plans."""
-    alloc = ShardedKVAllocator(num_shards, 256, BLOCK, interleave, max_rows=16, replicas=replicas)
+    alloc = ShardedKVAllocator(num_shards, 256, block, interleave, max_rows=16, replicas=replicas)
     source = alloc.add_rows()
     alloc.finish(alloc.grow([(source, max(lengths))], [0]))
     rows = [source] + [alloc.fork_rows(source, n) for n in lengths[1:]]
