@@ -43,7 +43,7 @@ def common_page_runs(block_table_BW: torch.Tensor, active_B: list[bool]) -> list
     for reqs in by_first.values():
         if len(reqs) < 2:
             continue
-        rows = block_table_BW[reqs]
+        rows = block_table_BW if len(reqs) == len(firsts) else block_table_BW[reqs]
         differs = (rows != rows[:1]).any(dim=0)
         runs.append((tuple(reqs), int(differs.to(torch.int8).argmax()) if bool(differs.any()) else rows.shape[1]))
     return runs

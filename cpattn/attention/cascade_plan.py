@@ -102,15 +102,25 @@ class PrefixSplitter:
 
 def _shifted_tables(table_BW: torch.Tensor, groups: list[tuple[tuple[int, ...], int]]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(suffix table: each grouped row starting after its group's prefix pages, PAD after its end; prefix table:
-    one row per group, its prefix pages)."""
-    suffix = table_BW.clone()
-    width = table_BW.shape[1]
+    """(suffix table: each grouped row starting after its group's prefix pages, PAD after its end, only as wide as
+    the widest row's rest; prefix table: one row per group, its prefix pages). Forks of one document all shift by
+    its pages: their suffix table is the few columns after it (16 x 2 pages at 512K, not 16 x 16K)."""
+    num_reqs, width = table_BW.shape
+    shift = [0] * num_reqs
+    for reqs, pages in groups:
+        for r in reqs:
+            shift[r] = pages
+    if len(set(shift)) == 1:
+        suffix = table_BW[:, shift[0]:].clone()
+    else:
+        suffix = torch.full((num_reqs, width - min(shift)), PAD_BLOCK_ID, dtype=table_BW.dtype)
+        by_shift: dict[int, list[int]] = {}
+        for r, pages in enumerate(shift):
+            by_shift.setdefault(pages, []).append(r)
+        for pages, rows in by_shift.items():
+            suffix[rows, :width - pages] = table_BW[rows, pages:]
     prefix = torch.full((len(groups), max(p for _, p in groups)), PAD_BLOCK_ID, dtype=table_BW.dtype)
     for i, (reqs, pages) in enumerate(groups):
-        idx = list(reqs)
-        suffix[idx, :width - pages] = table_BW[idx, pages:]
-        suffix[idx, width - pages:] = PAD_BLOCK_ID
         prefix[i, :pages] = table_BW[reqs[0], :pages]
     return suffix, prefix
 
