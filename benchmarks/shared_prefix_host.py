@@ -81,7 +81,6 @@ def _coordinator(way: str, args):
 
 
 def measure(way: str, args) -> dict:
-    from cpattn.attention.cascade_plan import PrefixSplitter
     from cpattn.cluster import decode_run
     from cpattn.cluster.layer_runner import ShardLayerRunner
 
@@ -104,6 +103,8 @@ def measure(way: str, args) -> dict:
             s0 = time.perf_counter()
             for plan in steps:   # built as reached, then planned for the kernels (a shard's run_step)
                 if args.fresh_split:
+                    from cpattn.attention.cascade_plan import PrefixSplitter
+
                     runners[rank]._splitter = PrefixSplitter(runners[rank].kernel_block_size)
                 split_steps += runners[rank].plan(plan).prefix_pass is not None
             shard_s[rank] = time.perf_counter() - s0
