@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cpattn.attention.cascade import common_page_runs
-from cpattn.attention.ops.merge import merge_attn_states
+from cpattn.attention.ops.merge import merge_partials
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import PAD_BLOCK_ID, PAD_SLOT_ID
 
@@ -127,8 +127,9 @@ def _shifted_tables(table_BW: torch.Tensor, groups: list[tuple[tuple[int, ...], 
 
 def merge_prefix_rows(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, rows_R: torch.Tensor, prefix_out_RQD: torch.Tensor,
                       prefix_lse_RQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The suffix pass's output with the prefix pass merged into its rows (natural-log LSEs; new tensors)."""
-    merged, merged_lse = merge_attn_states([out_TQD.index_select(0, rows_R), prefix_out_RQD.to(out_TQD.dtype)],
+    """The suffix pass's output with the prefix pass merged into its rows (natural-log LSEs; new tensors). On a GPU
+    one merge kernel (merge_partials), not ~20 torch launches: the layer's eager path and its graph alike."""
+    merged, merged_lse = merge_partials([out_TQD.index_select(0, rows_R), prefix_out_RQD.to(out_TQD.dtype)],
                                            [lse_TQ.index_select(0, rows_R), prefix_lse_RQ.to(lse_TQ.dtype)])
     return (out_TQD.index_copy(0, rows_R, merged.to(out_TQD.dtype)),
             lse_TQ.index_copy(0, rows_R, merged_lse.to(lse_TQ.dtype)))
