@@ -8,6 +8,7 @@ shard's GPU runs the same code in its own process on the shard's KV cache opened
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,6 +81,7 @@ class ShardLayerRunner:
         self._prefix_builder = None   # its own builder: a FlashInfer builder's wrappers hold one plan each
         self._splitter = PrefixSplitter(self.kernel_block_size)
         self._device_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables_lock = threading.Lock()   # a shard plans its clients' steps on their own threads
 
     def new_graphs(self) -> DecodeGraphs | None:
         """A set of decode graphs for one caller that runs one step at a time (a client's connection), or
@@ -119,11 +121,12 @@ class ShardLayerRunner:
         table is 2 MB per step otherwise."""
         table = md.block_table_tensor
         key = (id(table), table._version)
-        entry = self._device_tables.get(key)
-        if entry is None:   # the CPU tensor is kept with its copy, so its id stays unique while the entry lives
-            entry = self._device_tables[key] = (table, table.to(self.device))
-            while len(self._device_tables) > 4:   # a plain or suffix table and a prefix table, and the last run's
-                self._device_tables.pop(next(iter(self._device_tables)), None)
+        with self._tables_lock:
+            entry = self._device_tables.get(key)
+            if entry is None:   # the CPU tensor is kept with its copy, so its id stays unique while the entry lives
+                entry = self._device_tables[key] = (table, table.to(self.device))
+                while len(self._device_tables) > 4:   # a plain or suffix table and a prefix table, and the last run's
+                    self._device_tables.pop(next(iter(self._device_tables)))
         return replace(md, block_table_tensor=entry[1]).to(self.device)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
