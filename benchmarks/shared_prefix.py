@@ -8,11 +8,12 @@ with q/k/v on the client's device, wall time of whole decode steps of ``--layers
 - ``separate``: N sequences each holding its own copy of the document, batch-N decode.
 
 Reported per way: KV blocks used over all shards (stats, shared pages counted once), KV GiB, ms per step,
-and the ratios to ``one``. Goal (issue 24): shared <= 1.1x the KV and <= 1.2x the step time of one
+and the ratios to ``one``; and where a step's time goes: begin (planning, incl. the client's in-process shard),
+layers (attention), end (commit), and the steps of the last run the remote shards replayed as CUDA graphs. Goal (issue 24): shared <= 1.1x the KV and <= 1.2x the step time of one
 question, where separate costs about Nx both. The KV goal holds for every backend; the time goal needs the
 prefix read once per step (cascade attention): TORCH reads it once inside its loop (attention/cascade.py), the
-GPU kernels get a prefix pass per group of forks (attention/cascade_plan.py); measured on 2 H200s (TRITON) that
-pass is still far from one decode's cost (benchmarks/RESULTS.md).
+GPU kernels get a prefix pass per group of forks (attention/cascade_plan.py), planned once per decode run and
+captured in TRITON's decode graphs (cluster/decode_graphs.py); numbers in benchmarks/RESULTS.md.
 
     python benchmarks/shared_prefix.py                        # 16 questions, 512K-token document, 2 GPUs
     python benchmarks/shared_prefix.py --backend TORCH        # the same with the cascade (TORCH on the GPU)
@@ -57,29 +58,45 @@ def measure(svc, way: str, questions: int, prefix: int, layers: int, repeats: in
     batch = len(seqs)
     q, k, v = (torch.randn(batch, h, d, device=device, dtype=dtype) for h in (hq, hk, hk))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    walls = []
+    walls, phases = [], []
     for rep in range(repeats + 2):                           # two warm-up steps: kernel JIT, communicators
         sync()
         t0 = time.perf_counter()
-        with svc.step({s: 1 for s in seqs}) as step:
-            for layer in range(layers):
-                step.attend(layer, q, k, v)
+        step = svc.step({s: 1 for s in seqs})
+        step.__enter__()                                     # begin: the coordinator's plan or the run's next step
         sync()
+        t1 = time.perf_counter()
+        for layer in range(layers):
+            step.attend(layer, q, k, v)
+        sync()
+        t2 = time.perf_counter()
+        step.__exit__(None, None, None)                      # commit (sent without waiting in a decode run)
+        sync()
+        t3 = time.perf_counter()
         if rep >= 2:
-            walls.append(time.perf_counter() - t0)
+            walls.append(t3 - t0)
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
     for s in seqs:
         svc.free(s)
+    begin_ms, layers_ms, end_ms = (1e3 * statistics.median(p[i] for p in phases) for i in range(3))
+    # Where a step's time goes (issue 24: forks were 2.6x slower than 16 copies): begin (plan, the client's
+    # in-process shard's plan), layers (attention; graphed or launched one by one), end (commit); and how many
+    # steps of the last committed run the remote shards replayed as graphs.
     return {"way": way, "batch": batch, "prefix": prefix, "layers": layers, "kv_blocks": blocks,
             "kv_gib": blocks * svc.config.bytes_per_block() / 2**30, "step_ms": 1e3 * statistics.median(walls),
+            "begin_ms": begin_ms, "layers_ms": layers_ms, "end_ms": end_ms,
+            "shard_graphed_steps": svc.last_step_timings.get("shard_graphed_steps"),
             "backend": svc.info()["shards"][0]["backend"]}
 
 
 def _fmt(r: dict) -> str:
     return (f"{r['way']:>9} {r['batch']:>5} {r['kv_blocks']:>10} {r['kv_gib']:>8.2f} {r['step_ms']:>9.2f} "
-            f"{r.get('kv_ratio', float('nan')):>8.2f} {r.get('time_ratio', float('nan')):>8.2f}")
+            f"{r.get('kv_ratio', float('nan')):>8.2f} {r.get('time_ratio', float('nan')):>8.2f} "
+            f"{r['begin_ms']:>7.2f} {r['layers_ms']:>7.2f} {r['end_ms']:>6.2f} {str(r['shard_graphed_steps']):>7}")
 
 
-HEADER = f"{'way':>9} {'batch':>5} {'KV blocks':>10} {'KV GiB':>8} {'ms/step':>9} {'KV x one':>8} {'t x one':>8}"
+HEADER = (f"{'way':>9} {'batch':>5} {'KV blocks':>10} {'KV GiB':>8} {'ms/step':>9} {'KV x one':>8} {'t x one':>8} "
+          f"{'begin':>7} {'layers':>7} {'end':>6} {'graphed':>7}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,3 +49,18 @@ def test_plan_cost_smoke_measures_every_part(tmp_path):
     assert rows["decode_smoke"]["steps_per_begin"] == 32 and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
+
+
+def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
+    """benchmarks/shared_prefix_host.py (a decode step's host work for forks vs copies, no Ray, no GPU) runs as
+    printed; every step of the forks' runs takes the cascade split, no step of the others does."""
+    out = tmp_path / "shared_prefix_host.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_host.py", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == 4
+    assert rows["shared"]["split_steps"] == 3 * rows["shared"]["steps_per_run"]   # every step on each of 3 shards
+    assert rows["one"]["split_steps"] == rows["separate"]["split_steps"] == 0
+    for r in rows.values():
+        assert r["coordinator_ms_per_step"] > 0 and r["shard_ms_per_step"] > 0, r

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cpattn.attention.cascade import find_shared_prefixes
-from cpattn.attention.ops.merge import merge_attn_states
+from cpattn.attention.cascade import common_page_runs
+from cpattn.attention.ops.merge import merge_partials
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import PAD_BLOCK_ID, PAD_SLOT_ID
 
@@ -39,47 +39,97 @@ def split_shared_prefixes(md: CommonAttentionMetadata, block_size: int,
                           min_pages: int = 1) -> CascadeSplit | None:
     """The two passes of a step whose requests share prefix pages; None when there is nothing to share (or
     the metadata is causal). ``md`` on the CPU; ``block_size`` the table's page size."""
-    if md.causal:
-        return None
-    groups = find_shared_prefixes(md.block_table_tensor, md.context_lens_cpu, block_size, min_keys=min_pages * block_size)
-    groups = [g for g in groups if g.num_keys >= block_size * min_pages]
-    if not groups:
-        return None
-    qsl = md.query_start_loc_cpu.tolist()
-    table = md.block_table_tensor.clone()
-    seq_lens, context = md.seq_lens_cpu.clone(), md.context_lens_cpu.clone()
-    prefix_pages, group_rows = [], []
-    for g in groups:
-        pages = g.num_keys // block_size                           # whole pages only
-        prefix_pages.append(table[g.requests[0], :pages].clone())
-        for r in g.requests:
-            table[r] = torch.cat([table[r, pages:], torch.full((pages,), PAD_BLOCK_ID, dtype=table.dtype)])
-            seq_lens[r] -= pages * block_size
-            context[r] -= pages * block_size
-        group_rows.append(torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in g.requests]))
-    suffix = replace(md, block_table_tensor=table, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
-                     context_lens_cpu=context, max_seq_len=int(seq_lens.max()))
-    rows = torch.cat(group_rows)
-    counts = torch.tensor([len(r) for r in group_rows], dtype=torch.int64)
-    pq = torch.zeros(len(groups) + 1, dtype=torch.int64)
-    pq[1:] = torch.cumsum(counts, 0)
-    width = max(len(p) for p in prefix_pages)
-    prefix_table = torch.full((len(groups), width), PAD_BLOCK_ID, dtype=torch.int64)
-    for i, p in enumerate(prefix_pages):
-        prefix_table[i, :len(p)] = p
-    lens = torch.tensor([len(p) * block_size for p in prefix_pages], dtype=torch.int64)
-    prefix = replace(md, query_start_loc=pq, query_start_loc_cpu=pq.clone(), seq_lens=lens, seq_lens_cpu=lens.clone(),
-                     context_lens_cpu=lens.clone(), block_table_tensor=prefix_table,
-                     slot_mapping=torch.full((len(rows),), PAD_SLOT_ID, dtype=torch.int64), num_reqs=len(groups),
-                     num_actual_tokens=len(rows), max_query_len=int(counts.max()), max_seq_len=int(lens.max()),
-                     query_positions_cpu=None if md.query_positions_cpu is None else md.query_positions_cpu[rows])
-    return CascadeSplit(suffix, prefix, rows)
+    return PrefixSplitter(block_size, min_pages).split(md)
+
+
+class PrefixSplitter:
+    """split_shared_prefixes for a caller that plans step after step: what depends only on the block table
+    (the groups, their common pages, the shifted suffix table, the prefix table) is kept while the next step
+    brings the same table (a decode run's steps share one table object; in-place changes are seen by the
+    tensor's version). So a decode step over 16 forks of a 512K document pays a few small vector operations,
+    not a 2 MB table clone and a row-by-row shift (14 ms per step measured on a 2-core CPU: benchmarks/RESULTS.md)."""
+
+    def __init__(self, block_size: int, min_pages: int = 1):
+        self.block_size, self.min_pages = block_size, min_pages
+        self._kept: tuple | None = None
+        """(table, its version, active requests, common page runs, (pages per group, suffix table, prefix table) or
+        None): one tuple, read once and replaced whole, so callers on several threads (a shard's clients) each see
+        one table's state."""
+
+    def split(self, md: CommonAttentionMetadata) -> CascadeSplit | None:
+        if md.causal:
+            return None
+        bs, table = self.block_size, md.block_table_tensor
+        context = md.context_lens_cpu
+        active = (context > 0).tolist()
+        kept = self._kept
+        if kept is None or kept[0] is not table or kept[1] != table._version or kept[2] != active:
+            kept = (table, table._version, active, common_page_runs(table, active), None)
+        # A group's prefix: its whole common pages within the keys every member sees (context grows each step).
+        groups = []
+        for reqs, pages in kept[3]:
+            pages = min(pages, int(context[list(reqs)].min()) // bs)
+            if pages >= self.min_pages:
+                groups.append((reqs, pages))
+        if not groups:
+            self._kept = kept
+            return None
+        key = tuple(groups)
+        if kept[4] is None or kept[4][0] != key:
+            kept = kept[:4] + ((key, *_shifted_tables(table, groups)),)
+        self._kept = kept
+        _, suffix_table, prefix_table = kept[4]
+        shift = torch.zeros_like(context)
+        for reqs, pages in groups:
+            shift[list(reqs)] = pages * bs
+        seq_lens, context = md.seq_lens_cpu - shift, context - shift
+        qsl = md.query_start_loc_cpu.tolist()
+        group_rows = [[t for r in reqs for t in range(qsl[r], qsl[r + 1])] for reqs, _ in groups]
+        suffix = replace(md, block_table_tensor=suffix_table, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+                         context_lens_cpu=context, max_seq_len=int(seq_lens.max()))
+        rows = torch.tensor([t for g in group_rows for t in g], dtype=torch.int64)
+        counts = torch.tensor([len(g) for g in group_rows], dtype=torch.int64)
+        pq = torch.zeros(len(groups) + 1, dtype=torch.int64)
+        pq[1:] = torch.cumsum(counts, 0)
+        lens = torch.tensor([pages * bs for _, pages in groups], dtype=torch.int64)
+        prefix = replace(md, query_start_loc=pq, query_start_loc_cpu=pq.clone(), seq_lens=lens,
+                         seq_lens_cpu=lens.clone(), context_lens_cpu=lens.clone(), block_table_tensor=prefix_table,
+                         slot_mapping=torch.full((len(rows),), PAD_SLOT_ID, dtype=torch.int64), num_reqs=len(groups),
+                         num_actual_tokens=len(rows), max_query_len=int(counts.max()), max_seq_len=int(lens.max()),
+                         query_positions_cpu=None if md.query_positions_cpu is None else md.query_positions_cpu[rows])
+        return CascadeSplit(suffix, prefix, rows)
+
+
+def _shifted_tables(table_BW: torch.Tensor, groups: list[tuple[tuple[int, ...], int]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(suffix table: each grouped row starting after its group's prefix pages, PAD after its end, only as wide as
+    the widest row's rest; prefix table: one row per group, its prefix pages). Forks of one document all shift by
+    its pages: their suffix table is the few columns after it (16 x 2 pages at 512K, not 16 x 16K)."""
+    num_reqs, width = table_BW.shape
+    shift = [0] * num_reqs
+    for reqs, pages in groups:
+        for r in reqs:
+            shift[r] = pages
+    if len(set(shift)) == 1:
+        suffix = table_BW[:, shift[0]:].clone()
+    else:
+        suffix = torch.full((num_reqs, width - min(shift)), PAD_BLOCK_ID, dtype=table_BW.dtype)
+        by_shift: dict[int, list[int]] = {}
+        for r, pages in enumerate(shift):
+            by_shift.setdefault(pages, []).append(r)
+        for pages, rows in by_shift.items():
+            suffix[rows, :width - pages] = table_BW[rows, pages:]
+    prefix = torch.full((len(groups), max(p for _, p in groups)), PAD_BLOCK_ID, dtype=table_BW.dtype)
+    for i, (reqs, pages) in enumerate(groups):
+        prefix[i, :pages] = table_BW[reqs[0], :pages]
+    return suffix, prefix
 
 
 def merge_prefix_rows(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, rows_R: torch.Tensor, prefix_out_RQD: torch.Tensor,
                       prefix_lse_RQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The suffix pass's output with the prefix pass merged into its rows (natural-log LSEs; new tensors)."""
-    merged, merged_lse = merge_attn_states([out_TQD.index_select(0, rows_R), prefix_out_RQD.to(out_TQD.dtype)],
+    """The suffix pass's output with the prefix pass merged into its rows (natural-log LSEs; new tensors). On a GPU
+    one merge kernel (merge_partials), not ~20 torch launches: the layer's eager path and its graph alike."""
+    merged, merged_lse = merge_partials([out_TQD.index_select(0, rows_R), prefix_out_RQD.to(out_TQD.dtype)],
                                            [lse_TQ.index_select(0, rows_R), prefix_lse_RQ.to(lse_TQ.dtype)])
     return (out_TQD.index_copy(0, rows_R, merged.to(out_TQD.dtype)),
             lse_TQ.index_copy(0, rows_R, merged_lse.to(lse_TQ.dtype)))

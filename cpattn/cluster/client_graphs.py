@@ -49,9 +49,9 @@ class ClientLayerGraphs:
 
     def prepare(self, wire) -> bool:
         """Ready this step's graphs (capturing a warm bucket once); False when the step runs eagerly."""
-        if self.disabled or any(s.graphs is None or s.copies is not None or s.prefix_pass is not None
-                                for s in wire.local.values()):
-            return False   # copy on write and cascade passes run outside the captured layer (layer_runner)
+        if self.disabled or any(s.graphs is None or s.copies is not None for s in wire.local.values()):
+            return False   # copy on write runs outside the captured layer (layer_runner); a cascade's prefix pass
+                           # is in it (decode_graphs)
         if any(rows is not None for rows in wire.remote_rows.values()):
             return False   # a remote shard computing only some rows: the eager merge scatters them
         key = (wire.num_tokens, tuple((r, s.graphs.key) for r, s in sorted(wire.local.items())),

@@ -39,6 +39,7 @@ class DecodeGraphs:
         self.replica: torch.Tensor | None = None
         self.write_slots: torch.Tensor | None = None
         """Dynamic fp8 scales: the step's own slots then its replica slots, the rows the scale growth reads."""
+        self.prefix_static, self.prefix_rows = None, None
         self.disabled = False
 
     @staticmethod
@@ -49,22 +50,24 @@ class DecodeGraphs:
                 and all(hasattr(runner.builder, h) for h in ("graph_key", "make_static", "refill")))
 
     def prepare(self, attn_metadata, replica_slots: torch.Tensor | None, pieces: torch.Tensor,
-                rows: torch.Tensor | None) -> bool:
-        """Ready this step's graphs (capturing on a new bucket); False when the step must run eagerly."""
+                rows: torch.Tensor | None, prefix_pass: tuple | None = None) -> bool:
+        """Ready this step's graphs (capturing on a new bucket); False when the step must run eagerly.
+        ``prefix_pass`` (plan, rows): forks' shared prefixes read once (layer_runner.attend_prefix), captured with
+        the layer: its plan's buffers are refilled like the step's (a decode loop keeps its forks, so its bucket)."""
         if self.disabled or pieces.numel() or rows is not None:
             return False
-        key = self.runner.builder.graph_key(attn_metadata)
+        key = self.bucket(attn_metadata, replica_slots, prefix_pass)
         if key is None:
             return False
-        key = key + (replica_slots is not None,)
         if key != self.key:
             try:
-                self._capture(attn_metadata, key)
+                self._capture(attn_metadata, key, prefix_pass)
             except RuntimeError as exc:   # a kernel or op that cannot be captured here: stay eager
                 logger.warning("CUDA graphs off for this shard (%s); decode runs eagerly", exc)
                 self.disabled, self.key, self.graphs, self.outputs = True, None, [], []
                 return False
-        self.runner.builder.refill(self.static, attn_metadata)
+        builder = self.runner.builder
+        builder.refill(self.static, attn_metadata)
         if replica_slots is not None:
             self.replica.copy_(replica_slots)
         if self.write_slots is not None:
@@ -72,7 +75,25 @@ class DecodeGraphs:
             self.write_slots[:t].copy_(attn_metadata.slot_mapping)
             if replica_slots is not None:
                 self.write_slots[t:].copy_(replica_slots)
+        if prefix_pass is not None:
+            builder.refill(self.prefix_static, prefix_pass[0])
+            self.prefix_rows.copy_(prefix_pass[1])
         return True
+
+    def bucket(self, attn_metadata, replica_slots: torch.Tensor | None, prefix_pass: tuple | None) -> tuple | None:
+        """The graphs' key of a step: the backend's (T, S, width bucket), replica writes, and the prefix pass's
+        own key with its row count; None when the backend cannot replay this step."""
+        builder = self.runner.builder
+        key = builder.graph_key(attn_metadata)
+        if key is None:
+            return None
+        prefix_key = None
+        if prefix_pass is not None:
+            prefix_key = builder.graph_key(prefix_pass[0])
+            if prefix_key is None:
+                return None
+            prefix_key = (prefix_key, prefix_pass[1].numel())
+        return key + (replica_slots is not None, prefix_key)
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
             v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,14 +117,29 @@ class DecodeGraphs:
             write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica, scale)
         kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
         out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static, **extra)
-        return out.to(r.dtype), to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
+        lse = to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
+        if self.prefix_static is not None:
+            out, lse = r.attend_prefix(layer, (self.prefix_static, self.prefix_rows), self.q, self.k, self.v, kv_cache,
+                                       out, lse, extra)
+        return out.to(r.dtype), lse
 
-    def _capture(self, attn_metadata, key: tuple) -> None:
-        r, cfg = self.runner, self.runner.config
+    def _capture(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
+        r = self.runner
         self.graphs, self.outputs, self.key = [], [], None
+        self.make_buffers(attn_metadata, key, prefix_pass)
+        # Warm-up: JIT compilation and allocations happen outside the capture.
+        self.graphs, self.outputs = capture_graphs(r.device, r.config.num_layers, self._layer,
+                                                   warmup=lambda: self._layer(0), sync_device=False)
+        self.key = key
+        logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)
+
+    def make_buffers(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
+        """The buffers of ``key``'s bucket that the graphs read (``_layer`` runs from them; so does a CPU test,
+        without capture). Slots stay -1 (no writes) until refill puts a step's in; a prefix pass's rows stay 0
+        and its table empty (reads only)."""
+        r, cfg = self.runner, self.runner.config
         t = key[0]
         hq, hk = cfg.num_q_heads, cfg.num_kv_heads
-        # Buffers the graphs read; slots stay -1 (no writes) until refill puts this step's in.
         self.static = r.builder.make_static(attn_metadata, key[:3])
         self.qkv = torch.zeros(t, hq + 2 * hk, cfg.head_size, dtype=r.dtype, device=r.device)
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
@@ -111,8 +147,7 @@ class DecodeGraphs:
         dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
         self.write_slots = (torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
                             if dynamic_fp8 else None)
-        # Warm-up: JIT compilation and allocations happen outside the capture.
-        self.graphs, self.outputs = capture_graphs(r.device, cfg.num_layers, self._layer, warmup=lambda: self._layer(0),
-                                                   sync_device=False)
-        self.key = key
-        logger.info("captured %d decode graphs for bucket %s", len(self.graphs), key)
+        self.prefix_static, self.prefix_rows = None, None
+        if prefix_pass is not None:
+            self.prefix_static = r.builder.make_static(prefix_pass[0], key[4][0])
+            self.prefix_rows = torch.zeros_like(prefix_pass[1])

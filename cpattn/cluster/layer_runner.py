@@ -8,14 +8,15 @@ shard's GPU runs the same code in its own process on the shard's KV cache opened
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
-from cpattn.attention.cascade_plan import merge_prefix_rows, split_shared_prefixes
+from cpattn.attention.cascade_plan import PrefixSplitter, merge_prefix_rows
 from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
@@ -87,6 +88,9 @@ class ShardLayerRunner:
         self.split_prefixes = (not getattr(backend_cls, "reads_shared_prefix_once", False)
                                and not any(w is not None for w in config.layer_windows()))
         self._prefix_builder = None   # its own builder: a FlashInfer builder's wrappers hold one plan each
+        self._splitter = PrefixSplitter(self.kernel_block_size)
+        self._device_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables_lock = threading.Lock()   # a shard plans its clients' steps on their own threads
         self.prefill_runner = None if len(both) == 1 else ShardLayerRunner(
             config, prefill_backend_cls, kv_caches, device, kv_scales, kernel_block_size=self.kernel_block_size)
         self.prefill_backend = both[-1]
@@ -107,18 +111,17 @@ class ShardLayerRunner:
             # Slots are token addresses, identical under both page sizes; only the table changes.
             md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
                                                        self.kernel_block_size)
-        split = split_shared_prefixes(md, self.kernel_block_size) if self.split_prefixes else None
+        split = self._splitter.split(md) if self.split_prefixes else None
         prefix_pass = None
         if split is not None:
             md = split.suffix
             if self._prefix_builder is None:
                 self._prefix_builder = type(self.builder)(self.builder.spec)
-            prefix_pass = (self._prefix_builder.build(0, split.prefix.to(self.device)), split.rows.to(self.device))
-            graphs = None   # the graphs capture one pass per layer
-        attn_md = self.builder.build(0, md.to(self.device))
+            prefix_pass = (self._prefix_builder.build(0, self._to_device(split.prefix)), split.rows.to(self.device))
+        attn_md = self.builder.build(0, self._to_device(md))
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         rows = None if plan.rows is None else plan.rows.to(self.device)
-        if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows):
+        if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows, prefix_pass):
             graphs = None
         scale_writes = None
         if self.kv_format is not None and self.config.kv_scales is None and graphs is None:   # graphs grow their own
@@ -127,6 +130,20 @@ class ShardLayerRunner:
         copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
         return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
                            self)
+
+    def _to_device(self, md):
+        """``md.to(device)`` with the block table's device copy kept while the next step brings the same table
+        (a decode run's steps share one; the cascade's shifted tables are kept by PrefixSplitter): a 16 x 16K
+        table is 2 MB per step otherwise."""
+        table = md.block_table_tensor
+        key = (id(table), table._version)
+        with self._tables_lock:
+            entry = self._device_tables.get(key)
+            if entry is None:   # the CPU tensor is kept with its copy, so its id stays unique while the entry lives
+                entry = self._device_tables[key] = (table, table.to(self.device))
+                while len(self._device_tables) > 4:   # a plain or suffix table and a prefix table, and the last run's
+                    self._device_tables.pop(next(iter(self._device_tables)))
+        return replace(md, block_table_tensor=entry[1]).to(self.device)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +173,7 @@ class ShardLayerRunner:
         out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata, **extra)
         lse = to_natural_lse(lse.to(self.lse_dtype), self.backend.lse_base)
         if step.prefix_pass is not None:   # after the pass above wrote the new K/V; its plan writes nothing
-            prefix_md, prefix_rows = step.prefix_pass
-            p_out, p_lse = self.impl.forward(layer, q_TQD[prefix_rows], k_TKD[prefix_rows], v_TKD[prefix_rows],
-                                             kv_cache, prefix_md, **extra)
-            out, lse = merge_prefix_rows(out, lse, prefix_rows, p_out,
-                                         to_natural_lse(p_lse.to(self.lse_dtype), self.backend.lse_base))
+            out, lse = self.attend_prefix(layer, step.prefix_pass, q_TQD, k_TKD, v_TKD, kv_cache, out, lse, extra)
         if step.pieces.numel():
             new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
             out, lse = merge_partials(torch.stack([out, new_out.to(out.dtype)]),
@@ -168,4 +181,13 @@ class ShardLayerRunner:
         if step.rows is not None:
             out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
         return out.to(self.dtype), lse.to(self.lse_dtype)
+
+    def attend_prefix(self, layer: int, prefix_pass: tuple[Any, torch.Tensor], q_TQD: torch.Tensor,
+                      k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, out_TQD: torch.Tensor,
+                      lse_TQ: torch.Tensor, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefixes' pass merged into the suffix pass's rows (natural-log LSE): eager and graphed alike."""
+        prefix_md, rows = prefix_pass
+        p_out, p_lse = self.impl.forward(layer, q_TQD[rows], k_TKD[rows], v_TKD[rows], kv_cache, prefix_md, **extra)
+        return merge_prefix_rows(out_TQD, lse_TQ, rows, p_out, to_natural_lse(p_lse.to(self.lse_dtype),
+                                                                              self.backend.lse_base))
 

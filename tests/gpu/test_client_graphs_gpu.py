@@ -56,3 +56,36 @@ def test_graphed_client_layers_match_float64(ray_session):
         raise
     finally:
         svc.shutdown()
+
+
+def test_forks_decode_graphed_with_their_prefix_read_once(ray_session):
+    """Forks of one document on two GPUs (TRITON): their decode steps take the cascade split (a prefix pass per
+    layer) and still replay the client's and the remote shard's graphs; every output vs the float64 oracle."""
+    import cpattn
+    from service_oracle import Oracle
+
+    cfg = _config(num_shards=2, num_gpus_per_shard=1, backend="TRITON", num_layers=3)
+    svc = cpattn.start(cfg)
+    try:
+        gw = svc.gateway
+        oracle = Oracle(cfg, seed=23)
+        doc = svc.add_sequence()
+        _checked_step(svc, cfg, oracle, {doc: 700})
+        forks = []
+        for _ in range(5):
+            forks.append(svc.fork(doc))
+            oracle.fork(doc, forks[-1], 700)
+        for _ in range(7):   # a bucket's first step is eager; the run's next ones replay
+            _checked_step(svc, cfg, oracle, {f: 1 for f in forks})
+        for local in gw.local_graphs.values():   # an in-process shard's graphs hold the prefix pass
+            assert local is not None and local.key is not None and local.key[4] is not None, local and local.key
+        assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == len(forks), gw.client_graphs.key
+        svc.stats()   # ends the decode run: its shards report how many steps were one graph replay
+        assert gw.last_step_timings.get("shard_graphed_steps", 0) >= 1, gw.last_step_timings
+        assert svc.sequences()[forks[0]] == oracle.length(forks[0]) == 707
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    finally:
+        svc.shutdown()

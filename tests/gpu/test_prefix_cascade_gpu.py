@@ -56,3 +56,47 @@ def test_split_equals_the_plain_context_pass(name, num_shards, interleave):
         assert (out_a - out_b).abs().max().item() < 2e-2
         assert (lse_a - lse_b).abs().max().item() < 2e-2
         assert torch.equal(cache_a, cache_b)
+
+
+@pytest.mark.parametrize("num_shards,interleave", [(2, 1), (3, 16)])
+def test_cascade_decode_steps_replay_captured_graphs(num_shards, interleave):
+    """A decode run over forks (TRITON): every step without copies replays the shard's captured graphs, the prefix
+    pass inside them (cluster/decode_graphs.py), captured once for the run; outputs equal the eager step's."""
+    from tests.test_cascade_decode_runs import _forked_run
+
+    try:
+        cls = get_attn_backend("TRITON", head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ,
+                               num_kv_heads=HK, device="cuda")
+    except BackendUnavailableError as exc:
+        pytest.skip(f"TRITON unavailable here: {exc.reasons}")
+    cfg = cpattn.ServiceConfig(num_shards=num_shards, num_layers=2, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
+                               block_size=BLOCK, dtype="bfloat16", backend="TRITON", device="cuda",
+                               dcp_interleave=interleave, num_blocks_per_shard=256)
+    steps = 6
+    runs = _forked_run(num_shards, interleave, [2000] * 12 + [1234], steps, block=BLOCK)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for rank_run in runs.ranks:
+        cache = torch.randn(cls.get_kv_cache_shape(256, BLOCK, HK, D), generator=g, device="cuda").to(torch.bfloat16)
+        eager = ShardLayerRunner(cfg, cls, [cache.clone(), cache.clone()], torch.device("cuda"))
+        graphed = ShardLayerRunner(cfg, cls, [cache.clone(), cache.clone()], torch.device("cuda"))
+        graphs = graphed.new_graphs()
+        assert graphs is not None
+        replayed, keys = 0, set()
+        for j in range(steps):
+            plan = rank_run.plan(j)
+            a, b = eager.plan(copy.deepcopy(plan)), graphed.plan(copy.deepcopy(plan), graphs)
+            assert a.prefix_pass is not None and a.graphs is None
+            replayed += b.graphs is not None
+            if b.graphs is not None:
+                keys.add(b.graphs.key)
+                assert b.graphs.key[4] is not None   # the prefix pass is in the bucket
+            for layer in range(2):
+                q, k, v = (torch.randn(plan.num_tokens, h, D, generator=g, device="cuda").to(torch.bfloat16)
+                           for h in (HQ, HK, HK))
+                out_a, lse_a = eager.run_layer(a, layer, q, k, v)
+                out_b, lse_b = graphed.run_layer(b, layer, q, k, v)
+                assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+        torch.cuda.synchronize()
+        assert replayed >= steps - 1 and len(keys) == 1   # the first step may copy on write (eager)
+        for layer in range(2):
+            assert torch.equal(eager.kv_caches[layer], graphed.kv_caches[layer])

@@ -124,25 +124,34 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
     def graph_key(self, md: TritonAttentionMetadata) -> tuple | None:
         """(T, S (with each window's S), block-table width bucket) of a decode-only step, whose launches depend on
-        nothing else;
-        None when the step cannot replay a captured graph (prefill tiles are planned per step)."""
-        if not md.decode_only or md.num_tokens == 0:
+        nothing else; for a pass of query groups only (a cascade's prefix pass over forks' shared pages) S is
+        ("groups", writes, (n, requests, S) of each group). None when the step cannot replay a captured graph
+        (prefill tiles are planned per step)."""
+        if md.num_tokens == 0:
             return None
-        width = md.block_table.shape[1]
+        width = max(64, 1 << (md.block_table.shape[1] - 1).bit_length())
+        if not md.decode_only:
+            if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts:
+                return None
+            groups = tuple((g.n, g.req.numel(), g.splits) for g in md.query_groups)
+            return md.num_tokens, ("groups", md.has_writes, *groups), width
         splits = md.num_splits
         if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)
             splits = (splits,) + tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
-        return md.num_tokens, splits, max(64, 1 << (width - 1).bit_length())
+        return md.num_tokens, splits, width
 
     def make_static(self, md: TritonAttentionMetadata, key: tuple) -> TritonAttentionMetadata:
         """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
         t, _, width = key
         dev = md.block_table.device
         return dataclasses.replace(
-            md, has_writes=True, slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-            block_table=torch.zeros(t, width, dtype=torch.int64, device=dev), dec_tok=md.dec_tok.clone(),
-            dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone(),
-            window_starts={w: (a.clone(), b.clone(), n) for w, (a, b, n) in md.window_starts.items()})
+            md, has_writes=md.decode_only or md.has_writes,
+            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros(md.block_table.shape[0], width, dtype=torch.int64, device=dev),
+            dec_tok=md.dec_tok.clone(), dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone(),
+            window_starts={w: (a.clone(), b.clone(), n) for w, (a, b, n) in md.window_starts.items()},
+            query_groups=[dataclasses.replace(g, first_tok=g.first_tok.clone(), req=g.req.clone(),
+                                              kv_len=g.kv_len.clone()) for g in md.query_groups])
 
     def refill(self, static: TritonAttentionMetadata, md: TritonAttentionMetadata) -> None:
         """This step's values into the graph's buffers. Columns past the step's width keep stale page ids:
@@ -153,6 +162,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         for w, (tok_starts, dec_starts, _) in md.window_starts.items():
             static.window_starts[w][0].copy_(tok_starts)
             static.window_starts[w][1].copy_(dec_starts)
+        for kept, grp in zip(static.query_groups, md.query_groups):
+            kept.first_tok.copy_(grp.first_tok)
+            kept.req.copy_(grp.req)
+            kept.kv_len.copy_(grp.kv_len)
 
 
 class TritonAttentionImpl(AttentionImpl):
