@@ -20,13 +20,17 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch is imported where it runs: a usage error or --help comes back without its ~3 s import
+    import torch
 
 
 def reference_layer_ms(batch: int, context: int, hq: int, hk: int, d: int, block: int, repeats: int,
                        device: str, dtype: torch.dtype, backend: str) -> float:
     """One decode layer over [batch x context] tokens in a single process, single backend call."""
+    import torch
+
     from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
     cls = get_attn_backend(backend, head_size=d, dtype=dtype, block_size=block, num_q_heads=hq, num_kv_heads=hk,
@@ -54,6 +58,8 @@ def reference_layer_ms(batch: int, context: int, hq: int, hk: int, d: int, block
 
 def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq: int, hk: int, d: int, block: int,
                   repeats: int, max_tokens: int, device: str, dtype: str, backend: str) -> list[dict]:
+    import torch
+
     import cpattn
 
     blocks = max(64, -(-max_tokens // num_shards // block) + 4 * max(b for b, _ in cases))
@@ -142,6 +148,8 @@ def build_parser(prog: str | None = None):
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
+    import torch
+
     defaults = {"shards": "1,2,4", "batches": "1,16,64", "contexts": "4096,16384,32768,65536", "layers": 4, "repeats": 3}
     for key, value in (QUICK if args.quick else defaults).items():
         if getattr(args, key) is None:

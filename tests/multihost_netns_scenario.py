@@ -101,6 +101,7 @@ def main() -> int:
         collective_timeout_s=spec["collective_timeout_s"], shard_hang_timeout_s=spec["shard_hang_timeout_s"],
         rpc_timeout_s=30.0, start_timeout_s=90.0, health_check_interval_s=0.5, client_lease_s=120.0)
     result: dict = {}
+    _wait_for_file(spec.get("start_when"), 120)
     t0 = time.monotonic()
     svc = cpattn.start(cfg)
     result["start_s"] = time.monotonic() - t0
@@ -146,6 +147,17 @@ def main() -> int:
         svc.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def _wait_for_file(path: str | None, timeout_s: float) -> None:
+    """Until the test says host b's node is up (it touches ``path``): this process imported while it joined."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while path is not None and not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"host b's node was not up within {timeout_s}s ({path} never appeared)")
+        time.sleep(0.1)
 
 
 def _partition(cluster, seconds: float) -> None:

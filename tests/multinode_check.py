@@ -1,8 +1,8 @@
 """A cpattn service on a local multi-node Ray cluster (several raylets on this machine); run as a script.
 
 tests/test_multinode.py runs it in a subprocess because ray.cluster_utils.Cluster needs a Ray of its
-own, and the test session already holds one. Prints one JSON line (``RESULT {...}``) with where the
-shards landed and the error against a float64 reference; exits non-zero on any failure.
+own, and the test session already holds one. Prints one JSON line (``RESULT {"spread": ..., "node_loss": ...}``)
+with where the shards landed and the error against a float64 reference; exits non-zero on any failure.
 """
 
 from __future__ import annotations
@@ -52,39 +52,45 @@ def checked_step(svc, history: dict, request: dict[str, int], gen: torch.Generat
     return max_err
 
 
-def main() -> int:
+def spread(svc_name: str) -> dict:
+    """SPREAD over every one-CPU node of the cluster (one shard per node), exact against float64."""
     import ray
-    from ray.cluster_utils import Cluster
 
     import cpattn
 
-    num_nodes = 3
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_0": 1}})
+    cpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+    cfg = cpattn.ServiceConfig(
+        num_shards=len(cpu_nodes), num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+        dtype="float64", num_blocks_per_shard=64, num_cpus_per_shard=0.5, placement_strategy="SPREAD",
+        pcp_min_tokens=8, name=svc_name, rpc_timeout_s=60.0, collective_timeout_s=60.0)
+    svc = cpattn.start(cfg)
     try:
-        for i in range(1, num_nodes):
-            cluster.add_node(num_cpus=1, resources={f"node_{i}": 1})
-        cluster.wait_for_nodes()
+        shard_nodes = [s["node_id"] for s in svc.info()["shards"]]
+        gen = torch.Generator().manual_seed(0)
+        sids = [svc.add_sequence(), svc.add_sequence()]
+        history = new_history(sids)
+        max_err = 0.0
+        # A long prefill (PCP split), a mixed step, then decodes: context spans many blocks on every node.
+        for request in ({sids[0]: 21, sids[1]: 5}, {sids[0]: 3, sids[1]: 12}, {sids[0]: 1, sids[1]: 1}):
+            max_err = max(max_err, checked_step(svc, history, request, gen))
+        stats = svc.stats()
+    finally:
+        svc.shutdown()
+    return {"cpu_nodes": cpu_nodes, "shard_nodes": shard_nodes, "max_err": max_err,
+            "blocks_used": [s["blocks_used"] for s in stats["shards"]]}
+
+
+def main() -> int:
+    """One local cluster for both scenarios (a cluster start is most of each one's time): SPREAD over every
+    node, then the node-loss scenario (tests/multinode_node_loss.py) once that service is shut down."""
+    import ray
+
+    from multinode_node_loss import node_loss, start_cluster
+
+    cluster, workers = start_cluster()
+    try:
         ray.init(address=cluster.address, namespace="cpattn", logging_level=logging.WARNING, log_to_driver=False)
-        node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        cfg = cpattn.ServiceConfig(
-            num_shards=num_nodes, num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
-            dtype="float64", num_blocks_per_shard=64, num_cpus_per_shard=0.5, placement_strategy="SPREAD",
-            pcp_min_tokens=8, name="cpattn-multinode", rpc_timeout_s=60.0, collective_timeout_s=60.0)
-        svc = cpattn.start(cfg)
-        try:
-            shard_nodes = [s["node_id"] for s in svc.info()["shards"]]
-            gen = torch.Generator().manual_seed(0)
-            sids = [svc.add_sequence(), svc.add_sequence()]
-            history = new_history(sids)
-            max_err = 0.0
-            # A long prefill (PCP split), a mixed step, then decodes: context spans many blocks on every node.
-            for request in ({sids[0]: 21, sids[1]: 5}, {sids[0]: 3, sids[1]: 12}, {sids[0]: 1, sids[1]: 1}):
-                max_err = max(max_err, checked_step(svc, history, request, gen))
-            stats = svc.stats()
-        finally:
-            svc.shutdown()
-        result = {"cluster_nodes": sorted(node_ids), "shard_nodes": shard_nodes, "max_err": max_err,
-                  "blocks_used": [s["blocks_used"] for s in stats["shards"]]}
+        result = {"spread": spread("cpattn-multinode"), "node_loss": node_loss(cluster, workers)}
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     finally:

@@ -108,6 +108,11 @@ class NetnsCluster:
                                f"{proc.stderr[-3000:]}")
         return proc
 
+    def popen(self, host: int, argv: list[str]) -> subprocess.Popen:
+        """``run`` without waiting: the caller communicates (its processes die with the namespace in destroy)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=self.env(False), cwd=ROOT)
+
     def start_head(self) -> None:
         self.run(0, [RAY, "start", "--head", f"--node-ip-address={self.ips[0]}", f"--port={self.gcs_port}",
                      f"--temp-dir={self.temp_dir}", "--num-cpus=2", "--include-dashboard=false",

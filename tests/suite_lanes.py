@@ -38,6 +38,7 @@ ALONE_MODULES = {
     "test_service_failures.py",         # rpc_timeout_s=5 bounds
     "test_data_plane_binding.py",       # rendezvous failures within 3 s
     "test_user_errors.py",              # a CLI error within 10 s (5 s in-process)
+    "test_multinode.py",                # one module fixture runs both scenarios: node loss, step-error bounds
 }
 ALONE_TESTS = (
     "test_reliability_tenants.py::test_open_steps_are_capped_and_never_starve_the_health_check",   # hang 1 s
@@ -47,7 +48,6 @@ ALONE_TESTS = (
     "test_reliability_authority.py::test_an_expired_ticket_and_the_join_limits_in_process",   # joins end in 3 s
     "test_data_plane.py::test_idle_shard_lost_mid_step_single_replica",   # kill mid-step, collective_timeout_s=5
     "test_data_plane.py::test_two_replicas_shard_lost_mid_step_is_invisible",
-    "test_multinode.py::test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact",
     "test_cli.py::test_serve_embedded_stops_cleanly_however_it_is_told",          # exits within 10 s of a signal
     "test_service_window_fp8.py::test_fp8_cache_with_replicas_survives_a_killed_shard",
     "test_prefix_sharing.py::test_fp8_cache_windows_and_refill_on_forks",             # a killed shard refilled

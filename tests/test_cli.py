@@ -198,7 +198,7 @@ def ray_head():
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     pytest.fail("the test's Ray head did not start")
-                time.sleep(1)
+                time.sleep(0.2)
         yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "env": env}
         # The README's teardown: Ctrl-C in the head's terminal (SIGINT to its process group) stops the head and
         # everything it started, and nothing else.
@@ -226,6 +226,26 @@ def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     gcs, dashboard = ray_head["gcs"], ray_head["dashboard"]
     name = "cli-roundtrip"
     env = ray_head["env"]
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1])\nsys.exit(int(sys.argv[2]))\n")
+    # A job that succeeds runs in test_readme_cluster_walkthrough (`auto`); here the --help example's form,
+    # a dashboard URL with nothing set, and a failing job's exit status. It needs no service: it runs while the
+    # service is served and used (most of its time is the job's start and its status polls).
+    failing = subprocess.Popen([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
+                                "python", "hello.py", "failing-job", "3"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        _serve_use_and_stop(name, gcs, env)
+        out, err = failing.communicate(timeout=120)
+    finally:
+        if failing.poll() is None:
+            failing.kill()
+    assert failing.returncode == 1 and "FAILED" in err, err
+    assert "hello from failing-job" in out and BANNER not in err
+
+
+def _serve_use_and_stop(name: str, gcs: str, env: dict) -> None:
     served = _run([*CLI, "serve", "--address", gcs, "--name", name, *SMALL], env=env)
     assert served.returncode == 0, served.stderr
     assert f"cpattn service {name!r} (namespace 'cpattn') is up: 2 shards on 1 node(s), backend TORCH" in served.stdout
@@ -240,16 +260,6 @@ def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     status = json.loads(status.stdout)
     assert status["stats"]["num_sequences"] == 1 and [s["tokens"] for s in status["stats"]["shards"]] == [3, 3]
     assert status["stats"]["backend"] == "TORCH" and status["describe"]["config"]["detached"] is True
-
-    job_dir = tmp_path / "job"
-    job_dir.mkdir()
-    (job_dir / "hello.py").write_text("import sys\nprint('hello from', sys.argv[1])\nsys.exit(int(sys.argv[2]))\n")
-    # A job that succeeds runs in test_readme_cluster_walkthrough (`auto`); here the --help example's form,
-    # a dashboard URL with nothing set, and a failing job's exit status.
-    failed = _run([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
-                   "python", "hello.py", "failing-job", "3"], timeout=120, env=env)
-    assert failed.returncode == 1 and "FAILED" in failed.stderr, failed.stderr
-    assert "hello from failing-job" in failed.stdout and BANNER not in failed.stderr
 
     stopped = _run([*CLI, "stop", "--address", gcs, "--name", name], env=env)
     assert stopped.returncode == 0, stopped.stderr
@@ -304,9 +314,9 @@ def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
     assert served.returncode == 0 and "cpattn service 'hog'" in served.stdout, served.stderr
     try:
         t0 = time.monotonic()
-        # A placement wait of 6 s instead of the default 20 s: two report lines (5 s apart) and the failure,
-        # 10 s sooner.
-        second = _run([*CLI, "serve", "--address", gcs, "--name", "second", *SMALL, "--placement-wait-s", "6"],
+        # A placement wait of 1 s instead of the default 20 s (test_user_day asserts the default): the first
+        # report line (REPORT_EVERY_S after the start), then the failure at the next report time, 15 s sooner.
+        second = _run([*CLI, "serve", "--address", gcs, "--name", "second", *SMALL, "--placement-wait-s", "1"],
                       env=env)
         took = time.monotonic() - t0
         waits = [line for line in second.stderr.splitlines() if line.startswith("cpattn: waiting to place")]
@@ -314,7 +324,7 @@ def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
         assert waits and "missing 0.5 CPU (of 0.5 needed, 0 free); held by service 'hog' (namespace 'cpattn'): 4 CPU" \
             in waits[0], second.stderr
         error = second.stderr.strip().splitlines()[-1]
-        assert error.startswith("cpattn serve: error: could not place 2 shards of service 'second' within 6s") \
+        assert error.startswith("cpattn serve: error: could not place 2 shards of service 'second' within 1s") \
             and "stop service 'hog' (`cpattn stop --name hog`)" in error, second.stderr
         listed = _run([*CLI, "list", "--address", gcs],
                       env=dict(env, RAY_ADDRESS=f"127.0.0.1:{_free_port()}"))   # --address wins over RAY_ADDRESS
@@ -358,40 +368,51 @@ def test_serve_embedded_stops_cleanly_however_it_is_told():
     (nothing set), then `cpattn stop` from another shell ends serve with status 0 (it kept blocking on an empty
     Ray instance); (b) Ctrl-C (SIGINT to the group) and (c) SIGTERM to the group (timeout, systemd) stop it
     with status 0 within seconds, leaving none of its processes (SIGTERM took 85 s, failed with "Failed to
-    connect to GCS within 60 seconds" and left a ShardWorker)."""
+    connect to GCS within 60 seconds" and left a ShardWorker). The three are told at once, each in a thread of
+    its own, and each is timed from its own stop."""
+    from concurrent.futures import ThreadPoolExecutor
+
     how = {"stop": "cli-embedded", signal.SIGINT: "cli-embedded-sigint", signal.SIGTERM: "cli-embedded-sigterm"}
     procs = {key: _start_embedded(name) for key, name in how.items()}
     try:
         serving = {key: _wait_serving(proc, lines) for key, (proc, lines) in procs.items()}
-        for key, (proc, _) in procs.items():
-            if key == "stop":
-                printed = _printed_commands(serving[key])
-                assert printed["status"].endswith(" --name cli-embedded"), printed
-                status = _run(command(printed["status"]))
-                assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
-                assert BANNER not in status.stderr
-                assert proc.poll() is None   # still serving
-                stopped = _run(command(printed["stop"]))
-                assert stopped.returncode == 0, stopped.stderr
-                expected = "service 'cli-embedded' was stopped"
-            else:
-                os.killpg(proc.pid, key)
-                expected = "stopping the service"
-            t0 = time.monotonic()
-            try:
-                code = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                pytest.fail(f"{key}: serve did not exit within 60 s; it printed:\n{proc.stderr.read()[-4000:]}")
-            assert code == 0, (key, proc.stderr.read())
-            took = time.monotonic() - t0
-            left = wait_session_empty(proc.pid, 5)
-            err = proc.stderr.read()
-            assert expected in err and "Failed to connect to GCS" not in err and BANNER not in err, (key, err)
-            assert took < 10, (key, took, err)
-            assert left == [], (key, left)
+        with ThreadPoolExecutor(len(procs)) as pool:
+            stops = {key: pool.submit(_stop_embedded, key, proc, serving[key]) for key, (proc, _) in procs.items()}
+            for key, stop in stops.items():
+                code, took, err, left, expected = stop.result()
+                assert code == 0, (key, err)
+                assert expected in err and "Failed to connect to GCS" not in err and BANNER not in err, (key, err)
+                assert took < 10, (key, took, err)
+                assert left == [], (key, left)
     finally:
         _cleanup([proc for proc, _ in procs.values()])
+
+
+def _stop_embedded(key, proc: subprocess.Popen, serving: str):
+    """Tell one embedded serve to stop (`cpattn stop` as printed, or a signal to its group); wait for it.
+    Returns (exit status, seconds from the stop to the exit, its stderr, processes left, what it must say)."""
+    if key == "stop":
+        printed = _printed_commands(serving)
+        assert printed["status"].endswith(" --name cli-embedded"), printed
+        status = _run(command(printed["status"]))
+        assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
+        assert BANNER not in status.stderr
+        assert proc.poll() is None   # still serving
+        stopped = _run(command(printed["stop"]))
+        assert stopped.returncode == 0, stopped.stderr
+        expected = "service 'cli-embedded' was stopped"
+    else:
+        os.killpg(proc.pid, key)
+        expected = "stopping the service"
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{key}: serve did not exit within 60 s; it printed:\n{proc.stderr.read()[-4000:]}")
+    took = time.monotonic() - t0
+    left = wait_session_empty(proc.pid, 5)
+    return code, took, proc.stderr.read(), left, expected
 
 
 def _cleanup(procs: list[subprocess.Popen]) -> None:

@@ -35,17 +35,20 @@ def scenario() -> dict:
         cluster.create()
         resolved = [cluster.hostname_resolves_to(h) for h in (0, 1)]
         cluster.start_head()
-        cluster.start_worker()
+        # The driver starts (its imports) while host b's node joins; it starts the service once that node is up.
+        worker_up = cluster.temp_dir / "worker-up"
         spec = {"cluster": cluster.spec(), "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
                 "shard_hang_timeout_s": SHARD_HANG_TIMEOUT_S, "short_s": SHORT_PARTITION_S,
-                "long_s": LONG_PARTITION_S, "kill_node": True}
-        proc = cluster.run(0, [sys.executable, str(ROOT / "tests" / "multihost_netns_scenario.py"), json.dumps(spec)],
-                           timeout_s=300, check=False)
+                "long_s": LONG_PARTITION_S, "kill_node": True, "start_when": str(worker_up)}
+        proc = cluster.popen(0, [sys.executable, str(ROOT / "tests" / "multihost_netns_scenario.py"), json.dumps(spec)])
+        cluster.start_worker()
+        worker_up.touch()
+        stdout, stderr = proc.communicate(timeout=300)
         phases = {}
-        for line in proc.stdout.splitlines():
+        for line in stdout.splitlines():
             if line.startswith("PHASE "):
                 phases.update(json.loads(line[len("PHASE "):]))
-        phases.update(returncode=proc.returncode, stderr=proc.stderr[-6000:], resolved=resolved, ips=cluster.ips)
+        phases.update(returncode=proc.returncode, stderr=stderr[-6000:], resolved=resolved, ips=cluster.ips)
         return phases
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the scenario did not finish within {exc.timeout}s")

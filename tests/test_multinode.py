@@ -1,7 +1,8 @@
 """Shards spread over a local multi-node Ray cluster (three raylets on this machine), still exact.
 
-ray.cluster_utils.Cluster needs a Ray instance of its own, so the scenario (tests/multinode_check.py)
-runs in a subprocess; it cleans its cluster up itself, and we kill its process group if it hangs.
+ray.cluster_utils.Cluster needs a Ray instance of its own, so the scenarios (tests/multinode_check.py: SPREAD,
+then tests/multinode_node_loss.py on the same cluster) run in one subprocess; it cleans its cluster up itself,
+and we kill its process group if it hangs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +43,23 @@ def _run_script(name: str, timeout_s: float) -> dict:
     return json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
 
 
-def test_spread_places_shards_on_every_node_and_stays_exact():
-    result = _run_script("multinode_check.py", 180)
-    # SPREAD over three one-CPU nodes: one shard per node, every node of the cluster used.
-    assert len(result["cluster_nodes"]) == 3
-    assert sorted(result["shard_nodes"]) == result["cluster_nodes"]
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    """Both scenarios on one local cluster, in one process: a cluster start was most of each test's time."""
+    return _run_script("multinode_check.py", 300)
+
+
+def test_spread_places_shards_on_every_node_and_stays_exact(scenarios):
+    result = scenarios["spread"]
+    # SPREAD over four one-CPU nodes (the head has none): one shard per node, every such node used.
+    assert len(result["cpu_nodes"]) == 4
+    assert sorted(result["shard_nodes"]) == result["cpu_nodes"]
     assert result["max_err"] < 1e-12, result
     assert all(n > 0 for n in result["blocks_used"])
 
 
-def test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact():
-    result = _run_script("multinode_node_loss.py", 240)
+def test_node_loss_with_replicas_moves_the_shard_to_a_spare_node_and_stays_exact(scenarios):
+    result = scenarios["node_loss"]
     assert result["shards_replaced"] >= 1
     assert result["removed"] not in result["shard_nodes_after"]
     assert result["spare"] in result["shard_nodes_after"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from user_env import CPATTN, ROOT, user_env
+from user_env import CPATTN, ROOT, kill_session, user_env
 
 
 def _cli(args: list[str], timeout: float = 60, cwd=ROOT, **env) -> subprocess.CompletedProcess:
@@ -85,23 +85,36 @@ def test_an_unreachable_address_is_named_once():
 
 def test_cpattn_start_prints_no_ray_banner_and_announces_only_a_new_token(tmp_path):
     """`cpattn.start()` starts Ray itself: Ray's token-auth WARNING is not printed; cpattn says one line of its
-    own only when a token was just written (here: a fresh HOME)."""
+    own only when a token was just written (a fresh HOME), none where one already was (a HOME with the token an
+    earlier start or `ray start` wrote). The two run side by side: each starts a Ray of its own."""
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
     script = ("import cpattn\n"
               "svc = cpattn.start(cpattn.ServiceConfig(num_shards=1, num_layers=1, num_q_heads=2, num_kv_heads=1,"
               " head_size=8, block_size=4, dtype='float64', num_blocks_per_shard=8, num_cpus_per_shard=0.25))\n"
               "svc.shutdown()\nprint('OK')\n")
-    home = tmp_path / "home"
-    home.mkdir()
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
-                           cwd=tmp_path, env=user_env(HOME=str(home))) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0 and run.stdout.strip() == "OK", run.stderr[-3000:]
-        assert "Token authentication is enabled" not in run.stderr and "WARNING" not in run.stderr, run.stderr
-    first, second = (r.stderr for r in runs)
-    token = home / ".ray" / "auth_token"
+    fresh, known = tmp_path / "fresh", tmp_path / "known"
+    fresh.mkdir()
+    (known / ".ray").mkdir(parents=True)
+    earlier = generate_new_authentication_token()
+    (known / ".ray" / "auth_token").write_text(earlier)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path, env=user_env(HOME=str(home)), start_new_session=True)
+             for home in (fresh, known)]
+    try:
+        outputs = [proc.communicate(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_session(proc.pid)
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0 and out.strip() == "OK", err[-3000:]
+        assert "Token authentication is enabled" not in err and "WARNING" not in err, err
+    first, second = (err for _, err in outputs)
+    token = fresh / ".ray" / "auth_token"
     assert token.exists() and first.count(f"cpattn: Ray token authentication is on: a new token was written to "
                                           f"{token}") == 1, first
     assert "cpattn:" not in second, second
+    assert (known / ".ray" / "auth_token").read_text() == earlier   # used, not replaced
 
 
 # Bench ------------------------------------------------------------------------------------------------------------
@@ -168,6 +181,7 @@ def test_placement_shortfall_says_what_is_missing_who_holds_it_and_what_to_chang
     from cpattn.cluster.placement_wait import Holder, Shortfall, _failure
     from cpattn.config import ServiceConfig
 
+    assert ServiceConfig().placement_wait_s == 20   # the default (test_cli's placement test waits 1 s)
     cfg = ServiceConfig(name="second", num_shards=4, num_cpus_per_shard=1.0, placement_wait_s=20)
     hog = Holder("service 'hog' (namespace 'cpattn')", {"CPU": 3.0}, stop_hint="stop service 'hog' (`cpattn stop --name hog`)")
     held = Shortfall(need={"CPU": 4.0}, available={"CPU": 1.0}, total={"CPU": 4.0}, holders=[hog])

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from cpattn.launch.common import Parser
+
+if TYPE_CHECKING:   # torch is imported where it runs: a usage error comes back without its ~3 s import
+    import torch
 
 PROMPTS = {"A": 8192, "B": 2048, "C": 512}
 CHUNK = 1024
@@ -22,6 +24,8 @@ CHUNK = 1024
 
 def reference(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, context: int) -> torch.Tensor:
     """Dense causal attention in float64, independent of cpattn's kernels."""
+    import torch
+
     q, k, v = q_LQD.double(), k_LKD.double(), v_LKD.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -46,12 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
-
-    torch.manual_seed(args.seed)
     hq, hk, d = 8, 2, 64
     cfg = cpattn.ServiceConfig(num_shards=args.shards, num_layers=args.layers, num_q_heads=hq, num_kv_heads=hk,
                                head_size=d, block_size=16, dtype="float32", num_blocks_per_shard=2048,
                                pcp_min_tokens=512, name="cpattn-demo")
+    import torch   # after the checks above: a usage or config error comes back at once
+
+    torch.manual_seed(args.seed)
     prompts = {name: max(1, int(n * args.scale)) for name, n in PROMPTS.items()}
     print(f"cpattn demo: {cfg.num_shards} shards on CPU, {cfg.num_layers} layers, Hq {hq} / Hk {hk} / D {d}, "
           f"prompts {prompts}, {args.decode_steps} decode steps")
