@@ -15,11 +15,26 @@ import cpattn
 from conftest import service_config
 from reliability_common import RPC_S, current_shards
 from user_env import user_env
+from cpattn.errors import ServiceError
 from service_oracle import Oracle, checked_step
 
 MAX_KILLS = 3
 DEADLINE_S = 75.0
 TOL = 1e-5
+
+
+def _step_as_told(svc, oracle, request, retries: list[str]):
+    """checked_step, doing what a ServiceError says: when a lost shard's replacement outlasts the coordinator's
+    settle time, the step in flight ends "run the step again" (documented; nothing committed) instead of being
+    replayed; the retry waits for the replacement. Each retry is counted, and every one must follow a kill."""
+    for _ in range(MAX_KILLS + 1):
+        try:
+            return checked_step(svc, oracle, request, tol=TOL)
+        except ServiceError as exc:
+            if "run the step again" not in str(exc):
+                raise
+            retries.append(str(exc)[:160])
+    raise AssertionError(f"a step was refused more often than shards were killed: {retries}")
 
 
 class Killer(threading.Thread):
@@ -65,12 +80,12 @@ def test_random_shard_kills_during_a_workload(ray_session):
         prompts = {svc.add_sequence(): n for n in (37, 20, 9, 50)}
         t0 = time.monotonic()
         killer.start()
-        num_steps, recoveries, worst = 0, 0, 0.0
+        num_steps, recoveries, worst, retries = 0, 0, 0.0, []
         # Prefill in chunks of at most 16 tokens, several sequences per step.
         remaining = dict(prompts)
         while remaining:
             request = {s: min(16, n) for s, n in list(remaining.items())[:rng.randint(1, len(remaining))]}
-            step, err = checked_step(svc, oracle, request, tol=TOL)
+            step, err = _step_as_told(svc, oracle, request, retries)
             num_steps, recoveries, worst = num_steps + 1, recoveries + step.recoveries, max(worst, err)
             for s, n in request.items():
                 remaining[s] -= n
@@ -80,16 +95,17 @@ def test_random_shard_kills_during_a_workload(ray_session):
         seqs = list(prompts)
         while (killer.is_alive() or num_steps < 40) and num_steps < 400 and time.monotonic() - t0 < DEADLINE_S:
             request = {s: rng.choice((1, 1, 1, 2, 5)) for s in rng.sample(seqs, rng.randint(1, len(seqs)))}
-            step, err = checked_step(svc, oracle, request, tol=TOL)
+            step, err = _step_as_told(svc, oracle, request, retries)
             num_steps, recoveries, worst = num_steps + 1, recoveries + step.recoveries, max(worst, err)
         killer.stop.set()
         killer.join(timeout=90)
         assert killer.error is None, f"killer failed: {killer.error!r}"
         stats = svc.stats()
         print(f"\nchaos: survived {len(killer.kills)} shard kills {killer.kills}; {num_steps} steps, "
-              f"{recoveries} step replays, max error {worst:.2e}, shards_replaced {stats['shards_replaced']}, "
+              f"{recoveries} step replays, {len(retries)} steps run again, max error {worst:.2e}, "
+              f"shards_replaced {stats['shards_replaced']}, "
               f"{time.monotonic() - t0:.1f}s")
-        assert len(killer.kills) >= 1
+        assert len(killer.kills) >= 1 and len(retries) <= len(killer.kills), (killer.kills, retries)
         assert stats["shards_replaced"] == len(killer.kills)
         # Every sequence completed: its whole history is there and the next decode is still exact.
         assert svc.sequences() == {s: oracle.length(s) for s in seqs}

@@ -126,6 +126,12 @@ def pair_reasons(config, decode: type[AttentionBackend], prefill: type[Attention
     return reasons
 
 
+def chosen_backend_class(name: str) -> type[AttentionBackend]:
+    """The class of a backend a shard already chose (its info names it): to read what it declares (CUDA-graph
+    support, hooks), never to choose one; choosing is select_backend's."""
+    return load_backend_class(name)
+
+
 def clear_selector_cache() -> None:
     _cached_get_attn_backend.cache_clear()
 

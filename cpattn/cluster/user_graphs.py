@@ -25,7 +25,7 @@ import torch
 
 from cpattn.attention import AttentionCGSupport
 from cpattn.attention.ops.merge import merge_partials
-from cpattn.attention.registry import load_backend_class
+from cpattn.attention.selector import chosen_backend_class
 from cpattn.kvstore.fp8 import is_fp8
 
 NEEDED = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -54,7 +54,7 @@ def capture_refusals(config, device: torch.device, backend_names: list[str | Non
         service.append(f"remote shards are reached over {plane_backend} (they read a header per layer on the host): "
                        "give each shard a GPU of its own so the data plane is NCCL, or place them on this GPU")
     for name in sorted({n for n in backend_names if n is not None}):
-        cls = load_backend_class(name)
+        cls = chosen_backend_class(name)
         level = cls.cudagraph_support
         why = []
         if level < NEEDED:
