@@ -104,10 +104,19 @@ def _kv_bytes_per_token_layer(case: Case) -> float:
                                        0.25 if case.kv.startswith("fp8") else 1.0)
 
 
-def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float) -> int:
-    tokens = case.batch * (case.context + case.new)
-    per_layer = tokens * _kv_bytes_per_token_layer(case) / gpus
+def layers_that_fit(case: Case, gpus: int, wanted: int, budget_gb: float, repeats: int) -> int:
+    """As many layers as the pages one shard allocates for the case's run fit in ``budget_gb`` (at least one)."""
+    per_layer = _blocks_per_shard(case, gpus, repeats) * BLOCK * _kv_bytes_per_token_layer(case)
     return max(1, min(wanted, int(budget_gb * 2**30 // per_layer)))
+
+
+def _blocks_per_shard(case: Case, gpus: int, repeats: int) -> int:
+    """Pages one shard needs for a case's run: a case with a context keeps its sequences, which grow by ``new``
+    every step (warm-ups and slack included); a case without one opens fresh sequences each step and frees
+    them, so one step's tokens suffice (charging every repeat's prefill made a 32K prefill ask for 1.6M tokens'
+    pages and run out of memory)."""
+    grown = case.context + case.new * (repeats + 2 + 8) if case.context else case.new
+    return -(-case.batch * grown // gpus) // BLOCK + 2 * case.batch + 16
 
 
 def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
@@ -199,10 +208,9 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
         groups = [[c for c in cases if (c.kv, c.window) == kw] for kw in settings]
     planned = []
     for i, group in enumerate(groups):
-        layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb) for c in group)
+        layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb, repeats) for c in group)
         backends = {c.name: usable_backend(c.backend, c) for c in group}
-        blocks = sum(-(-c.batch * (c.context + c.new * (repeats + 2 + 8)) // gpus) // BLOCK + 2 * c.batch + 16
-                     for c in group)
+        blocks = sum(_blocks_per_shard(c, gpus, repeats) for c in group)
         gpu = DEVICE == "cuda"
         cfg = cpattn.ServiceConfig(num_shards=gpus, num_layers=layers, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
                                    block_size=BLOCK, dtype=str(DTYPE).removeprefix("torch."),
@@ -277,9 +285,9 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         sync()
         wall = time.perf_counter() - t0
         plans.append(step.timings["plan_s"])   # every step: a decode run's first step carries its steps' plans
-        begins.append(step.timings["begin_s"])
-        if rep >= 2:
+        if rep >= 2:        # a warm-up step's opening compiles and captures: not what a step pays
             walls.append(wall)
+            begins.append(step.timings["begin_s"])
         if not case.context:
             for s in seqs:
                 svc.free(s)

@@ -64,3 +64,25 @@ def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
     assert rows["one"]["split_steps"] == rows["separate"]["split_steps"] == 0
     for r in rows.values():
         assert r["coordinator_ms_per_step"] > 0 and r["shard_ms_per_step"] > 0, r
+
+
+def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
+    """Every published GPU case, at 1 and 2 GPUs and the README's repeat counts, allocates no more KV per GPU
+    than --kv-budget-gb (a prefill once charged every repeat's tokens: 214 GB asked of a 140 GB H200)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cp_scaling as cs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    budget = 96.0
+    for case in cs.CASES.values():
+        for gpus in (1, 2, 8):
+            for repeats in (10, 40):
+                layers = cs.layers_that_fit(case, gpus, 32, budget, repeats)
+                blocks = cs._blocks_per_shard(case, gpus, repeats)
+                per_gpu = layers * blocks * cs.BLOCK * cs._kv_bytes_per_token_layer(case)
+                tokens = case.batch * (case.context + case.new * (repeats + 2 if case.context else 1))
+                assert blocks * cs.BLOCK * gpus >= tokens, (case, gpus, repeats)          # every step's tokens fit
+                assert layers == 1 or per_gpu <= budget * 2**30, (case, gpus, repeats, per_gpu / 2**30)
+    prefill = cs.CASES["prefill_32k"]
+    assert cs._blocks_per_shard(prefill, 1, 40) == cs._blocks_per_shard(prefill, 1, 10)   # freed every step
