@@ -23,7 +23,7 @@ from cpattn.attention import AttentionCGSupport, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.kvstore import kernel_kv_view
-from cpattn.kvstore.fp8_graphed import grow_scales_of_slots
+from cpattn.kvstore.fp8_graphed import WrittenPages, grow_scales_of_pages, written_pages
 
 logger = logging.getLogger("cpattn")
 
@@ -37,8 +37,8 @@ class DecodeGraphs:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.replica: torch.Tensor | None = None
-        self.write_slots: torch.Tensor | None = None
-        """Dynamic fp8 scales: the step's own slots then its replica slots, the rows the scale growth reads."""
+        self.written: WrittenPages | None = None
+        """Dynamic fp8 scales: the pages the step's own then replica slots write, derived once per step."""
         self.prefix_static, self.prefix_rows = None, None
         self.disabled = False
 
@@ -70,11 +70,11 @@ class DecodeGraphs:
         builder.refill(self.static, attn_metadata)
         if replica_slots is not None:
             self.replica.copy_(replica_slots)
-        if self.write_slots is not None:
-            t = attn_metadata.slot_mapping.numel()
-            self.write_slots[:t].copy_(attn_metadata.slot_mapping)
-            if replica_slots is not None:
-                self.write_slots[t:].copy_(replica_slots)
+        if self.written is not None:   # once per step, not in every layer's graph
+            slots = attn_metadata.slot_mapping if replica_slots is None else torch.cat([attn_metadata.slot_mapping,
+                                                                                         replica_slots])
+            for buffer, value in zip(self.written, written_pages(slots, self.runner.config.block_size)):
+                buffer.copy_(value)
         if prefix_pass is not None:
             builder.refill(self.prefix_static, prefix_pass[0])
             self.prefix_rows.copy_(prefix_pass[1])
@@ -110,9 +110,8 @@ class DecodeGraphs:
         extra, scale = {}, None
         if r.kv_format is not None:
             scale = extra["kv_scale"] = r.kv_scales[layer]
-            if self.write_slots is not None:   # dynamic scales: grown before this layer's writes (as run_layer does)
-                grow_scales_of_slots(r.kv_caches[layer], scale, self.k, self.v, self.write_slots, r.config.block_size,
-                                     r.kv_format)
+            if self.written is not None:   # dynamic scales: grown before this layer's writes (as run_layer does)
+                grow_scales_of_pages(r.kv_caches[layer], scale, self.k, self.v, self.written, r.kv_format)
         if self.replica is not None:
             write_kv_cache_fast(r.kv_caches[layer], self.k, self.v, self.replica, scale)
         kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
@@ -145,8 +144,8 @@ class DecodeGraphs:
         self.q, self.k, self.v = self.qkv.split([hq, hk, hk], dim=1)
         self.replica = torch.full((t,), -1, dtype=torch.int64, device=r.device) if key[3] else None
         dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
-        self.write_slots = (torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
-                            if dynamic_fp8 else None)
+        no_writes = torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
+        self.written = written_pages(no_writes, cfg.block_size) if dynamic_fp8 else None
         self.prefix_static, self.prefix_rows = None, None
         if prefix_pass is not None:
             self.prefix_static = r.builder.make_static(prefix_pass[0], key[4][0])

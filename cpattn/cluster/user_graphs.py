@@ -108,7 +108,7 @@ class CapturedLayers:
                 held += [r, buf]
         for r, s in sorted(wire.local.items()):
             g = s.graphs
-            held += [r, g, g.key, g.static, g.qkv, g.replica, getattr(g, "write_slots", None)]
+            held += [r, g, g.key, g.static, g.qkv, g.replica, getattr(g, "written", None)]
         return held
 
     def matches(self, wire) -> bool:

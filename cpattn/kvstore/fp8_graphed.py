@@ -4,7 +4,8 @@ PageScaleWrites (fp8.py) plans on the host which distinct pages a step writes, s
 from step to step, and a captured decode graph cannot hold it. In a decode-only step every written slot is in
 a page of its own (one new token per sequence; a replica slot is on another page than any own slot; a shared
 page is copied before it is written), so here each slot row stands for its page and no planning is needed: the
-shapes depend only on the step's token count, and the slots are read from a buffer the graph owns.
+shapes depend only on the step's token count. The rows' pages are derived once per step (written_pages, into
+buffers the graphs read); each layer grows its own scales from them (grow_scales_of_pages).
 
 Rows whose slot is -1 (tokens this shard does not store) must write nothing, but an index_copy cannot skip
 rows: they repeat the first written row (its page, its values), so every duplicate write carries identical
@@ -15,25 +16,39 @@ Legend: n slot arrays (own, replica), T tokens, R = n * T rows, Hk kv heads, B p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from cpattn.kvstore.fp8 import _finite_amax, _page_index, _page_store, needed_scales
 
 
-def grow_scales_of_slots(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,
-                         v_TKD: torch.Tensor, slots_R: torch.Tensor, page_tokens: int, kv_format: str) -> None:
-    """Grow the scales of the pages ``slots_R`` (int64, -1: none) write to cover k/v (T tokens, repeated for
-    each slot array), and re-express those pages' cached values under them. In place; no host sync; the same
-    result as ``PageScaleWrites(slot arrays).grow(...)`` for a decode-only step."""
+class WrittenPages(NamedTuple):
+    """Which page each slot row writes, derived once per step from the step's slots (the layers share them)."""
+    src: torch.Tensor      # [R] int64: the row whose page and values row r repeats (itself when it writes)
+    pages: torch.Tensor    # [R] int64: the page row r writes (page 0 when no row writes)
+    fresh: torch.Tensor    # [R] bool: the page's first token: a new owner, its old scale does not count
+    writes: torch.Tensor   # [R] bool: False only when no row writes
+
+
+def written_pages(slots_R: torch.Tensor, page_tokens: int) -> WrittenPages:
+    """The per-step half of the growth: fixed shapes (R rows), no host sync."""
     rows = slots_R.numel()
-    copies = rows // k_TKD.shape[0]
     valid = slots_R >= 0
     first = torch.argmax(valid.to(torch.int32))                          # 0 when no row writes
     src = torch.where(valid, torch.arange(rows, device=slots_R.device), first)
     slots = slots_R.index_select(0, src)
-    writes = slots >= 0                                                  # False only when no row writes
+    writes = slots >= 0
     pages = torch.where(writes, torch.div(slots, page_tokens, rounding_mode="floor"), torch.zeros_like(slots))
-    fresh = writes & (slots % page_tokens == 0)                          # a page's first token: a new owner
+    return WrittenPages(src, pages, writes & (slots % page_tokens == 0), writes)
+
+
+def grow_scales_of_pages(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,
+                         v_TKD: torch.Tensor, written: WrittenPages, kv_format: str) -> None:
+    """The per-layer half: grow the scales of ``written``'s pages to cover k/v (T tokens, repeated for each
+    slot array) and re-express those pages' cached values under them. In place; no host sync."""
+    src, pages, fresh, writes = written
+    copies = src.numel() // k_TKD.shape[0]
     amax = torch.stack([_finite_amax(k_TKD, 2), _finite_amax(v_TKD, 2)]).repeat(1, copies, 1)   # [2, R, Hk]
     needed = needed_scales(amax, kv_format).index_select(1, src) * writes[None, :, None]
     old = scales_2NK.index_select(1, pages)
@@ -43,3 +58,11 @@ def grow_scales_of_slots(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor,
     cached = _page_index(kv_cache_2NBKD, pages)                                        # [2, R, B, Hk, D]
     _page_store(kv_cache_2NBKD, pages, (cached.to(torch.float32) * ratio[:, :, None, :, None]).to(kv_cache_2NBKD.dtype))
     scales_2NK.index_copy_(1, pages, new)
+
+
+def grow_scales_of_slots(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,
+                         v_TKD: torch.Tensor, slots_R: torch.Tensor, page_tokens: int, kv_format: str) -> None:
+    """Grow the scales of the pages ``slots_R`` (int64, -1: none) write to cover k/v (T tokens, repeated for
+    each slot array), and re-express those pages' cached values under them. In place; no host sync; the same
+    result as ``PageScaleWrites(slot arrays).grow(...)`` for a decode-only step."""
+    grow_scales_of_pages(kv_cache_2NBKD, scales_2NK, k_TKD, v_TKD, written_pages(slots_R, page_tokens), kv_format)
