@@ -32,6 +32,8 @@
 # (NCCL). An SDPA row asks for a whole GPU. SUBMIT=ray uses Ray's own `ray job submit` instead of `cpattn submit`;
 # SUBMIT=direct (also taken when no job server answers) runs the job as a plain process with an embedded Ray:
 # then its shards take one GPU each, the first on GPU 0 where the model runs (the same placement).
+# The job server needs ray[default]: stage it with `bash scripts/stage_ray_default.sh` after
+# ../shared/device/stage-wheels.sh (plain `ray` has none: the rows of 2026-11-30 ran SUBMIT=direct).
 set -u
 cd "$(dirname "$0")/.."
 [ -f /tmp/site/env.sh ] && source /tmp/site/env.sh   # staged packages; exports PYTHONPATH, which Ray's workers inherit
