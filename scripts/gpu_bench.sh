@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in parts that each fit one device `run` (<= 8 minutes on nvidia-h200-x2), every JSON written
+# under $OUT (what a device call brings back; the benchmarks' default paths stay on the lent machine) and every
+# table printed. On the device machine, source /tmp/site/env.sh first.
+#   bash scripts/gpu_bench.sh decode    # cp_scaling decode cases, 1 and 2 GPUs (issues 18, 22)      ~4 min
+#   bash scripts/gpu_bench.sh prefill   # cp_scaling prefill cases, 1 and 2 GPUs (issue 18)          ~5 min
+#   bash scripts/gpu_bench.sh kernels   # Triton decode goals (fp8, window), shared-prefix run, user graphs ~3 min
+# Extra arguments go to cp_scaling (decode, prefill parts).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+shift || true
+out=${OUT:-out/gpu_bench}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+quiet() { grep -v -e Warning -e 'socket.cpp' -e 'warnings.warn'; }   # tables, not Ray's and torch's noise
+case "$part" in
+  decode) "$py" benchmarks/cp_scaling.py --gpus 1,2 --repeats 40 --json "$out/cp_scaling_decode.json" \
+            --cases decode_128k,decode_1m,decode_b64_32k,decode_1m_fp8,decode_1m_w4096 "$@" 2>&1 | quiet ;;
+  prefill) "$py" benchmarks/cp_scaling.py --gpus 1,2 --repeats 10 --json "$out/cp_scaling_prefill.json" \
+             --cases prefill_32k,prefill_128k,chunked_8k_on_512k "$@" 2>&1 | quiet ;;
+  kernels) "$py" benchmarks/triton_decode_sweep.py --goals-only --json "$out/triton_decode_goals.json" 2>&1 | quiet
+           "$py" benchmarks/shared_prefix.py --backend TRITON --json "$out/shared_prefix.json" 2>&1 | quiet
+           "$py" benchmarks/decode_graph_bench.py --gpus 1,2 --cases decode_128k,decode_b64_32k \
+             --json "$out/decode_graph.json" 2>&1 | quiet ;;
+  *) echo "usage: bash scripts/gpu_bench.sh {decode|prefill|kernels} [cp_scaling args]" >&2; exit 1 ;;
+esac
