@@ -11,9 +11,10 @@
 # first row of a fresh machine pays ~30-60 s more for kernel JIT), from: an 8B forward of an 8K chunk ~0.2 s of
 # MLP/projections; a full prefill's attention ~2*L^2*4096*32 FLOP (1M: 2.9e17). The job's prefill chunks run on
 # FLASH_ATTN (flash-attn-4, ~500-590 TFLOP/s per GPU; 8K onto 512K keys ~68 ms per layer on 2 GPUs) where it
-# serves, its decode on TRITON (--prefill-backend, the job's default on cuda); an fp8 cache keeps the prefill on
-# TRITON (~356 TFLOP/s: FLASH_ATTN has no per-page fp8 scales). So: 128K ~13 s on 1 GPU; 512K ~160 s on 1 GPU,
-# ~100 s on 2; 1M bf16 on 2 GPUs ~320 s; 1M fp8 (TRITON) ~820 s on 1 GPU (longer than one command), ~450 s on 2;
+# serves, its decode on TRITON (--prefill-backend, the job's default on cuda); an fp8 cache's pages are dequantised
+# for FLASH_ATTN per layer (~1% of a chunk's attention; until 2026-12-01 fp8 prefilled on TRITON, ~356 TFLOP/s).
+# So: 128K ~13 s on 1 GPU; 512K ~160 s on 1 GPU, ~100 s on 2; 1M bf16 on 2 GPUs ~320 s; 1M fp8 ~520 s on 1 GPU
+# (unmeasured: at the edge of one command), ~320 s on 2;
 # plus ~30 s to start the job, build the model and check layer 0. Measured 2026-11-30 with TRITON prefilling too:
 # cp1-128k 18.5 s, cp2-128k 12.5 s; cp2-1m still prefilling when cut off at 494 s.
 # PREFILL=NAME passes --prefill-backend NAME to every cpattn row (PREFILL=same: the decode backend prefills too).
@@ -66,9 +67,9 @@ row_spec() {
     cp1-512k)       echo "200|0.5|--prompt-len $K512 --shards 1 --oracle-check" ;;
     cp2-512k)       echo "140|0.5|--prompt-len $K512 --shards 2 --oracle-check" ;;
     sdpa-512k)      echo "400|1|--prompt-len $K512 --attn sdpa" ;;
-    cp1fp8-1m)      echo "860|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # longer than one command
+    cp1fp8-1m)      echo "540|0.5|--prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # at the edge of one command
     cp2-1m)         echo "400|0.5|--prompt-len $M --shards 2 --oracle-check" ;;
-    cp2fp8-1m)      echo "490|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;
+    cp2fp8-1m)      echo "350|0.5|--prompt-len $M --shards 2 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;
     sdpa-1m)        echo "700|1|--prompt-len $M --attn sdpa" ;;
     cp1-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 1" ;;
     cp2-512k-synth) echo "70|0.5|--prompt-len $K512 --synthetic-prefix $((K512 - 8192)) --shards 2" ;;

@@ -345,8 +345,9 @@ def test_static_scales_are_used_as_given():
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
 def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypatch):
-    """TRITON serves fp8, windows and soft caps; FLASHINFER and FLASH_ATTN serve soft caps and say why not the
-    other two (per-page fp8 scales, global-position windows); auto on CUDA then takes TRITON for them."""
+    """TRITON serves fp8, windows and soft caps; FLASH_ATTN serves soft caps and fp8 (pages dequantised for its
+    kernel) and says why not windows; FLASHINFER serves soft caps and says why not the other two (per-page fp8
+    scales, global-position windows); auto on CUDA then takes TRITON for them."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     from cpattn.attention.backend import AttentionSelectorConfig
@@ -363,9 +364,43 @@ def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypat
         older = AttentionSelectorConfig(**{**everything.__dict__, "device_capability": (8, 0)})
         assert "fp8_e4m3 KV needs compute capability 8.9 or newer in Triton" in " | ".join(cls.validate(older))
     else:
-        assert f"fp8 KV cache (fp8_e4m3) is not served by {backend}: " in reasons
-        assert "each carry their own scales" in reasons and "use backend TRITON (CUDA) or TORCH" in reasons
+        if backend == "FLASHINFER":
+            assert f"fp8 KV cache (fp8_e4m3) is not served by {backend}: " in reasons
+            assert "each carry their own scales" in reasons and "use backend TRITON (CUDA) or TORCH" in reasons
+        else:
+            assert "fp8" not in reasons
         assert f"sliding_window is not served by {backend}: " in reasons and "global positions" in reasons
     default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,
                                       num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0))
     assert not [r for r in cls.validate(default) if "served" in r or "KV needs" in r]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantized_pages_are_the_stored_values_times_their_scales_exactly(fmt, dtype):
+    """kvstore.fp8.dequantize_pages (FLASH_ATTN's fp8 path) on a kernel view of 2 kernel pages per scale page,
+    and the FLASH_ATTN impl's renumbered page table: every entry reads the float64 dequantised page it named."""
+    from cpattn.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
+    from cpattn.kvstore.fp8 import dequantize_pages, fp8_dtype, page_scales_of, quantize
+
+    seed = int(torch.randint(1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    scale_pages, kernel_per_scale, page, hk, d = 12, 2, 8, 2, 16
+    values = _with_outliers((2, scale_pages, kernel_per_scale * page, hk, d), g, scale=3.0).to(torch.float64)
+    scales = page_scales_of(values, fmt).float()
+    scales[:, 3] = 0.0                                               # a page nobody wrote: zeros
+    cache = quantize(values, scales[:, :, None, :, None], fp8_dtype(fmt))
+    view = cache.view(2, scale_pages * kernel_per_scale, page, hk, d)   # the kernel's pages
+    table = torch.randint(0, scale_pages * kernel_per_scale, (3, 5), generator=g)
+    md = FlashAttentionMetadata(0, torch.zeros(0), False, *(torch.zeros(1),) * 3, table.to(torch.int32), 1, 1, True,
+                                None, page_table_cpu=table)
+    scratch, renumbered = FlashAttentionImpl._dequantized(view, scales, md, dtype)
+    assert scratch.dtype == dtype and scratch.shape[1] == torch.unique(table).numel()
+    assert renumbered.dtype == torch.int32 and md.fp8_pages[1] is renumbered   # kept for the step's other layers
+    exact = dequantize(view, torch.repeat_interleave(scales.double(), kernel_per_scale, dim=1)[:, :, None, :, None],
+                       torch.float64)
+    for b in range(3):
+        for j in range(5):
+            assert torch.equal(scratch[:, renumbered[b, j]].double(), exact[:, table[b, j]]), (seed, b, j)
+    some = torch.tensor([5, 0, 7])
+    assert torch.equal(dequantize_pages(view, scales, some, dtype).double(), exact[:, some]), seed

@@ -120,6 +120,19 @@ def _page_store(kv_cache_2NBKD: torch.Tensor, pages: torch.Tensor, values: torch
         kv_cache_2NBKD.view(torch.uint8).index_copy_(1, pages, values.view(torch.uint8))
 
 
+def dequantize_pages(kv_cache_2NBKD: torch.Tensor, kv_scale_2NK: torch.Tensor, pages_U: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """[2, U, B, Hk, D] ``dtype`` copy of the fp8 cache's pages ``pages_U`` (pages of the view passed, whose page
+    count is a multiple of the scales': view page p uses scale row p // multiple), each value times its page's
+    scale: for a kernel with no per-page fp8 scales (FLASH_ATTN). Exact in bfloat16 and float16: an fp8 value has
+    fewer mantissa bits and the scales are powers of two (needed_scales), so only values the activation dtype
+    cannot hold either would round."""
+    per_scale = kv_cache_2NBKD.shape[1] // kv_scale_2NK.shape[1]
+    values = _page_index(kv_cache_2NBKD, pages_U).to(dtype)
+    scales = kv_scale_2NK.index_select(1, torch.div(pages_U, per_scale, rounding_mode="floor")).to(dtype)
+    return values.mul_(scales[:, :, None, :, None])
+
+
 class PageScaleWrites:
     """Which pages a step writes, planned once per step on the host from its slots; every layer reuses it.
 

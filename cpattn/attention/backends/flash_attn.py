@@ -32,6 +32,7 @@ from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.ops.partials import unattended_rows
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
+from cpattn.kvstore.fp8 import dequantize_pages
 
 logger = logging.getLogger("cpattn.attention")
 
@@ -142,6 +143,11 @@ class FlashAttentionMetadata:
     causal: bool
     empty_rows: torch.Tensor | None
     """(T,) bool, device: tokens of requests with no key; None when there are none."""
+    page_table_cpu: torch.Tensor | None = None
+    """(B, W) int64, host: the page table, for an fp8 cache's dequantised pages (planned once per step)."""
+    fp8_pages: tuple[torch.Tensor, torch.Tensor] | None = None
+    """An fp8 cache: (the step's distinct pages [U] int64, the page table renumbered into them [B, W] int32), both
+    on the device; made by the step's first layer, reused by the others."""
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -155,14 +161,15 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         empty_rows = (torch.repeat_interleave(empty_req, q_lens).to(dev, non_blocking=True)
                       if bool(empty_req.any()) else None)
         i32 = torch.int32
+        table = common.block_table_tensor.clamp(min=0)
         return FlashAttentionMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             has_writes=bool((common.slot_mapping >= 0).any()),
             cu_seqlens_q=common.query_start_loc_cpu.to(i32).to(dev, non_blocking=True),
             seqused_k=seq.to(i32).to(dev, non_blocking=True), cu_seqlens_k=cu_k.to(i32).to(dev, non_blocking=True),
-            page_table=common.block_table_tensor.to(dev, non_blocking=True).clamp(min=0).to(i32).contiguous(),
+            page_table=table.to(dev, non_blocking=True).to(i32).contiguous(),
             max_query_len=max(common.max_query_len, 1), max_seq_len=max(common.max_seq_len, 1),
-            causal=common.causal, empty_rows=empty_rows)
+            causal=common.causal, empty_rows=empty_rows, page_table_cpu=table if table.device.type == "cpu" else None)
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -199,25 +206,45 @@ class FlashAttentionImpl(AttentionImpl):
                            return_attn_probs=True, block_table=page_table, **cap)
         return res[0], res[1]
 
-    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata, kv_scale=None):
+        """``kv_scale`` [2, pages, Hk]: an fp8 cache's per-page scales. No generation reads fp8 pages with a scale
+        each, so the step's pages are dequantised into a scratch in q's dtype (exact: kvstore.fp8.dequantize_pages)
+        and the kernel reads that: the price is one read of the step's fp8 pages and one write in q's dtype per
+        layer, small beside a prefill's attention (a chunk of 8K onto 512K keys: ~1 ms of ~120) but not beside a
+        decode's (TRITON reads fp8 pages itself; auto keeps decode there)."""
         md: FlashAttentionMetadata = attn_metadata
         if md.has_writes:
-            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+            write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping, kv_scale)
+        page_table = md.page_table
+        if kv_scale is not None:
+            kv_cache, page_table = self._dequantized(kv_cache, kv_scale, md, q_TQD.dtype)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         cap = self.spec.soft_cap(layer)
         if self.generation == "FA2":
             out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
                                      causal=md.causal, cu_seqlens_k=md.cu_seqlens_k, max_k=md.max_seq_len,
-                                     page_table=md.page_table, soft_cap=cap)
+                                     page_table=page_table, soft_cap=cap)
         else:
             out, lse_QT = self._call(q_TQD, k_cache, v_cache, cu_seqlens_q=md.cu_seqlens_q, max_q=md.max_query_len,
                                      causal=md.causal, seqused_k=md.seqused_k, max_k=md.max_seq_len,
-                                     page_table=md.page_table, soft_cap=cap)
+                                     page_table=page_table, soft_cap=cap)
         lse = _to_TQ(lse_QT, q_TQD.shape[0])
         if md.empty_rows is not None:
             out = out.masked_fill(md.empty_rows[:, None, None], 0.0)
             lse = lse.masked_fill(md.empty_rows[:, None], -math.inf)
         return out, lse
+
+    @staticmethod
+    def _dequantized(kv_cache, kv_scale, md: FlashAttentionMetadata, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp8 cache's pages this step reads, as ``dtype`` pages, and the page table renumbered into them."""
+        if md.fp8_pages is None:   # the step's first layer: the distinct pages, on the host (no device sync)
+            table = md.page_table_cpu if md.page_table_cpu is not None else md.page_table.cpu().to(torch.int64)
+            pages, renumbered = torch.unique(table, return_inverse=True)
+            dev = kv_cache.device
+            md.fp8_pages = (pages.to(dev, non_blocking=True),
+                            renumbered.to(torch.int32).to(dev, non_blocking=True).contiguous())
+        pages, table = md.fp8_pages
+        return dequantize_pages(kv_cache, kv_scale, pages, dtype), table
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         """Pieces as one varlen call over gathered (q, k) segments: queries [qs, qe) vs keys [ks, qe),
@@ -273,8 +300,9 @@ class FlashAttentionBackend(AttentionBackend):
     supports_pcp = True
     cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     supports_logits_soft_cap = True          # every generation's softcap argument
-    fp8_unsupported_why = ("is not served by FLASH_ATTN: FA4 has no fp8 KV and FA3's takes one descale per "
-                           "sequence and kv head, while cpattn's fp8 pages each carry their own scales")
+    # fp8 pages are dequantised per layer into a scratch the kernel reads (forward): no generation takes a scale
+    # per page (FA4 has no fp8 KV; FA3's takes one descale per sequence and kv head).
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
     sliding_window_unsupported_why = (
         "is not served by FLASH_ATTN: its window_size is one key count per call, and a window on global "
         "positions covers a different number of a DCP shard's interleaved local keys for every query")
