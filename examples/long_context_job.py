@@ -320,12 +320,18 @@ def check_gpu_memory(svc_config, model, args) -> None:
 
 
 def kv_fit_problem(svc_config, free_bytes: int, model_bytes: int) -> str | None:
-    """Why one shard's KV cache does not fit in ``free_bytes`` beside the client's chunk (None when it fits)."""
+    """Why one shard's KV cache does not fit in ``free_bytes`` beside the client's chunk (None when it fits).
+    An fp8 cache's prefill on FLASH_ATTN reads one layer's pages dequantised: up to the shard's pages of one layer
+    in the activation dtype plus their fp8 gather (kvstore.fp8.dequantize_pages), counted here."""
     kv = svc_config.blocks_per_shard() * svc_config.bytes_per_block()
-    if kv + CLIENT_HEADROOM_BYTES <= free_bytes:
+    scratch = 0
+    if svc_config.kv_cache_format.startswith("fp8"):
+        scratch = kv // svc_config.num_layers * (1 + svc_config.torch_dtype.itemsize)
+    if kv + scratch + CLIENT_HEADROOM_BYTES <= free_bytes:
         return None
-    return (f"the KV cache of one shard ({kv / GIB:.1f} GiB, {svc_config.kv_cache_format}) does not fit beside the "
-            f"model ({model_bytes / GIB:.1f} GiB) on this GPU: {free_bytes / GIB:.1f} GiB are free and the client "
+    dequantised = f" (+{scratch / GIB:.1f} GiB to read one layer's fp8 pages dequantised)" if scratch else ""
+    return (f"the KV cache of one shard ({kv / GIB:.1f} GiB, {svc_config.kv_cache_format}){dequantised} does not fit "
+            f"beside the model ({model_bytes / GIB:.1f} GiB) on this GPU: {free_bytes / GIB:.1f} GiB are free and the client "
             f"needs ~{CLIENT_HEADROOM_BYTES / GIB:.0f} GiB for a chunk's activations; use --kv-cache-dtype fp8_e4m3 "
             "(half the bytes), more shards on more GPUs (--shards 2 on 2 GPUs), or a shorter --prompt-len")
 
