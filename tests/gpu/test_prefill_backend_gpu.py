@@ -27,8 +27,10 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpus):
+@pytest.mark.parametrize("gpus,kv", [(1, "auto"), (2, "auto"), (1, "fp8_e4m3"), (2, "fp8_e4m3")])
+def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpus, kv):
+    """kv fp8_e4m3: FLASH_ATTN reads the step's pages dequantised (kvstore.fp8.dequantize_pages), TRITON its fp8
+    pages; bound 1e-1 (the README's e4m3 bound) instead of bf16's 1e-2."""
     import cpattn
     from conftest import service_config
     from service_oracle import Oracle
@@ -42,7 +44,9 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
     cfg = service_config(num_shards=2, num_layers=3, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                          dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="FLASH_ATTN",
                          num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0)
+                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0,
+                         kv_cache_dtype=kv)
+    bound = 1e-2 if kv == "auto" else 1e-1
     svc = cpattn.start(cfg)
     try:
         shards = svc.info()["shards"]
@@ -62,7 +66,7 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
                     out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
                     ref, new_kv = oracle.reference(request, layer, q, k, v)
                     rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < 1e-2, f"{gpus} GPU(s) {named} layer {layer}: relative error {rel:.2e}"
+                    assert rel < bound, f"{gpus} GPU(s) {kv} {named} layer {layer}: relative error {rel:.2e}"
                     pending.update(new_kv)
             oracle.commit(pending)
         # Decode steps ran on TRITON's captured graphs (prefill steps never prepare them).
