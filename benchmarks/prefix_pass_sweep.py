@@ -147,7 +147,8 @@ def main() -> int:
     if layer:
         print(f"a layer's prefix work with it (q gather + pass + merge): {layer['ms']:.3f} ms "
               f"({layer['over_decode']:.2f}x the decode; before: pass alone {legacy_ms / decode_ms:.2f}x)")
-    print("adopt: in cpattn/attention/backends/triton_decode.py CONFIG_OVERRIDES, replace the \"query_groups\" line with")
+    print("adopt: in cpattn/attention/backends/triton_decode.py CONFIG_OVERRIDES, replace the \"query_groups\" "
+          "line with")
     print(line)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

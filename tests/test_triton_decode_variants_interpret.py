@@ -5,7 +5,7 @@ Every variant the sweeps (benchmarks/triton_decode_sweep.py --fp8-sweep, benchma
 is checked here on decodes that split KV (small tiles, one tile per split at least), on DCP context passes whose
 few-query requests run as query groups, and on a forked decode step's prefix pass (a group covering the whole step:
 its split partials merge in place), fp16 and fp8 caches alike.
-    TRITON_INTERPRET=1 PYTHONPATH=. <a python with torch and triton> -m pytest tests/test_triton_decode_variants_interpret.py
+    TRITON_INTERPRET=1 PYTHONPATH=. <python with torch, triton> -m pytest tests/test_triton_decode_variants_interpret.py
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=
                      page_tiles=False, prefetch=False, split_factor=1)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
-# benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes), benchmarks/prefix_pass_sweep.py
-# the "query_groups" entry (a context pass's query groups: a shared prefix's pass, triton_query_groups.py).
+# benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
+# benchmarks/prefix_pass_sweep.py the "query_groups" entry (a context pass's query groups: a shared prefix's pass, triton_query_groups.py).
 CONFIG_OVERRIDES = {
     "fp8": {},
     "query_groups": {},
