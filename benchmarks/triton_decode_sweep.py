@@ -228,9 +228,10 @@ def fp8_sweep(tk, dev, seconds: float) -> dict:
         ok = [r for r in rows if r.get("valid") and r["b64_32k_ms"] <= limit]
         return min(ok, key=lambda r: r["b1_1m_ms"]) if ok else dict(cfg=base)
 
-    stage([base] + [dict(base, page_tiles=p, prefetch=f, fp8_f16_dot=h)
-                    for p, f, h in itertools.product((False, True), repeat=3)])
-    flags = {k: best()["cfg"][k] for k in ("page_tiles", "prefetch", "fp8_f16_dot")}
+    stage([base] + [dict(base, page_tiles=p, fp8_v_scaled=v, fp8_f16_dot=h)
+                    for p, v, h in itertools.product((False, True), repeat=3)])
+    stage([dict(best()["cfg"], prefetch=True)])
+    flags = {k: best()["cfg"][k] for k in ("page_tiles", "prefetch", "fp8_f16_dot", "fp8_v_scaled")}
     stage([dict(base, **flags, block_n=n, num_warps=w, num_stages=st)
            for n, w, st in ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2),
                             (64, 4, 3), (128, 8, 3), (64, 2, 2))])
@@ -252,7 +253,7 @@ def fp8_sweep(tk, dev, seconds: float) -> dict:
 
 def _fp8_row_text(row: dict) -> str:
     cfg = {k: row["cfg"][k] for k in ("block_n", "num_warps", "num_stages", "page_tiles", "prefetch", "fp8_f16_dot",
-                                      "split_factor")}
+                                      "fp8_v_scaled", "split_factor")}
     if "error" in row:
         return f"{cfg} error {row['error']}"
     if "b1_1m_ms" not in row:

@@ -33,6 +33,8 @@ VARIANTS = {
     "page_tiles_prefetch_f16": dict(page_tiles=True, prefetch=True, fp8_f16_dot=True),
     "block_32_split_x2": dict(block_n=32, split_factor=2, num_warps=8, num_stages=2),
     "split_half": dict(split_factor=0.5, page_tiles=True),
+    "v_scaled": dict(fp8_v_scaled=True, page_tiles=True),
+    "v_scaled_f16": dict(fp8_v_scaled=True, fp8_f16_dot=True, prefetch=True),
 }
 
 

@@ -49,7 +49,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
     F16_DOT: tl.constexpr = False, NQ: tl.constexpr = 1, PAGE_TILES: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, V_SCALED: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     kh = tl.program_id(1)
@@ -100,14 +100,14 @@ def _paged_decode_kernel(
                 k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n + BLOCK_N, end, kh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)
             acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
-                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, V_SCALED)
     else:
         for n in range(start, end, BLOCK_N):
             k, v, k_scale, v_scale, n_mask = _decode_tile(
                 k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)
             acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
-                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, V_SCALED)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -132,13 +132,15 @@ def _num_sms(device: torch.device) -> int:
 # length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md); fp8_f16_dot: an fp8 cache's
 # dots in float16 instead of the activations' dtype; page_tiles: block-table entries and fp8 scales loaded once per
 # page, not per key (tiles start on pages; not under windows); prefetch: the next tile's loads issued before this
-# tile's math; split_factor: S times this at launch (the plan's S is chosen before the cache dtype is known).
+# tile's math; split_factor: S times this at launch (the plan's S is chosen before the cache dtype is known);
+# fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
-                     page_tiles=False, prefetch=False, split_factor=1)
+                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
-# benchmarks/prefix_pass_sweep.py the "query_groups" entry (a context pass's query groups: a shared prefix's pass, triton_query_groups.py).
+# benchmarks/prefix_pass_sweep.py the "query_groups" entry (a context pass's query groups: a shared prefix's pass,
+# triton_query_groups.py).
 CONFIG_OVERRIDES = {
     "fp8": {},
     "query_groups": {},
@@ -208,7 +210,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2,
                   F16_DOT=bool(cfg["fp8_f16_dot"]), NQ=queries, PAGE_TILES=page_tiles, PREFETCH=bool(cfg["prefetch"]),
-                  **flags)
+                  V_SCALED=bool(cfg["fp8_v_scaled"]), **flags)
     ks, vs, stride_sp, scale_div, *logit_args = launch_args
     args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
                  kv_lens if key_start is None else key_start, ks, vs)

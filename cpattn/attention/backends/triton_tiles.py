@@ -89,11 +89,13 @@ def kv_tile_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh,
 
 @triton.jit
 def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale_log2, cap_in, cap_out,
-                        MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr):
+                        MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, V_SCALED: tl.constexpr = False):
     """One key tile into the running (acc, m, l) of base-2 online softmax. fp8: K's page scale multiplies the
     dot's columns and V's the probabilities (the fp8 values convert to the dot's dtype exactly). Soft cap:
     the scaled logit s becomes cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (cap_in = 2 log2(e) * scale
-    / cap, cap_out = cap * log2(e))."""
+    / cap, cap_out = cap * log2(e)). V_SCALED (fp8): V's rows times their scales in float32, then the dot's dtype
+    (exact: the scales are powers of two), instead of the probabilities' columns: the fp8 V tile is converted where it
+    is loaded, so the dot's transposed operand is 16-bit (an 8-bit one has no ldmatrix.trans)."""
     raw = tl.dot(q, tl.trans(k.to(q.dtype)))
     if FP8:
         raw = raw * k_scale[None, :]
@@ -111,9 +113,13 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    if FP8 and V_SCALED:
+        v_dot = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    else:
+        v_dot = v.to(q.dtype)
+        if FP8:
+            p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot)
     return acc, m_new, l_i
 
 
