@@ -119,6 +119,26 @@ def try_candidate(measure, cfg: dict) -> dict:
         return dict(cfg=cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
 
 
+def new_kernel_stats(jit_fn, seen: set) -> list[dict]:
+    """Registers, spills and shared memory of ``jit_fn``'s variants compiled since the last call (``seen``: ids so
+    far): a tiling that spills or holds one program per SM shows here. Best effort across Triton versions ([] when
+    its caches look different)."""
+    stats = []
+    try:
+        for caches in getattr(jit_fn, "device_caches", {}).values():
+            for kernel in caches[0].values():
+                if id(kernel) in seen:
+                    continue
+                seen.add(id(kernel))
+                kernel._init_handles()
+                meta = kernel.metadata
+                stats.append(dict(regs=kernel.n_regs, spills=kernel.n_spills, shared=getattr(meta, "shared", None),
+                                  warps=getattr(meta, "num_warps", None), stages=getattr(meta, "num_stages", None)))
+    except Exception as exc:   # noqa: BLE001 - a diagnostic, never fatal
+        stats.append(dict(unavailable=f"{type(exc).__name__}: {str(exc)[:80]}"))
+    return stats
+
+
 def config_line(name: str, cfg: dict, base: dict) -> str:
     """The CONFIG_OVERRIDES entry to paste into cpattn/attention/backends/triton_decode.py: what differs from base."""
     diff = {k: v for k, v in cfg.items() if base.get(k) != v}

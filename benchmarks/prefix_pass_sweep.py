@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import (D, HK, HQ, RESULTS, Budget, config_line, float64_attention,  # noqa: E402
-                                 paged_case, rel, time_graph, try_candidate)
+                                 new_kernel_stats, paged_case, rel, time_graph, try_candidate)
 
 BF16_BOUND = 1e-2
 
@@ -106,14 +106,15 @@ def main() -> int:
         err = rel(outn, refn)
         return dict(ms=ms, over_decode=ms / decode_ms, rel=err, splits=grp[0].splits, valid=err < BF16_BOUND)
 
-    rows = []
+    rows, seen = [], set()
+    print("kernels so far (decode, legacy pass):", new_kernel_stats(tk._paged_decode_kernel, seen))
 
     def stage(configs):
         for cfg in configs:
             if budget.left() < 6 or any(r["cfg"] == cfg for r in rows):
                 continue
-            rows.append(try_candidate(measure, cfg))
-            print("   ", _row_text(rows[-1]), f"[{budget.elapsed():.0f} s]", flush=True)
+            rows.append(dict(try_candidate(measure, cfg), kernels=new_kernel_stats(tk._paged_decode_kernel, seen)))
+            print("   ", _row_text(rows[-1]), rows[-1]["kernels"], f"[{budget.elapsed():.0f} s]", flush=True)
 
     def best() -> dict:
         ok = [r for r in rows if r.get("valid")]

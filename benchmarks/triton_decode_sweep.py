@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import (FP8_BOUND, RESULTS, Budget, config_line, float64_attention,  # noqa: E402
-                                 paged_case, rel, time_graph, try_candidate, with_fp8)
+                                 new_kernel_stats, paged_case, rel, time_graph, try_candidate, with_fp8)
 
 from kernel_sweep_common import D, HK, HQ, PS  # noqa: E402  (cp_scaling's geometry)
 
@@ -214,14 +214,15 @@ def fp8_sweep(tk, dev, seconds: float) -> dict:
         row["valid"] = all(row[f"{n}_rel"] < FP8_BOUND for n in names)
         return row
 
-    rows = []
+    rows, seen = [], set()
+    new_kernel_stats(tk._paged_decode_kernel, seen)
 
     def stage(configs):   # screened at 1M only (one compile, one timing each); B=64 for the finalists
         for cfg in configs:
             if budget.left() < 20 or any(r["cfg"] == cfg for r in rows):
                 continue
-            rows.append(try_candidate(measure, cfg))
-            print("   ", _fp8_row_text(rows[-1]), f"[{budget.elapsed():.0f} s]", flush=True)
+            rows.append(dict(try_candidate(measure, cfg), kernels=new_kernel_stats(tk._paged_decode_kernel, seen)))
+            print("   ", _fp8_row_text(rows[-1]), rows[-1]["kernels"], f"[{budget.elapsed():.0f} s]", flush=True)
 
     def best(finalists: bool = False) -> dict:
         ok = [r for r in rows if r.get("valid") and (not finalists or "b64_32k_ms" in r)]
