@@ -1,6 +1,9 @@
 """What the TRITON kernel sweeps share (triton_decode_sweep.py --fp8-sweep, prefix_pass_sweep.py): outlier data in a
 paged cache (bf16, and fp8 e4m3 with per-page power-of-two scales as the service stores it), float64 references,
-CUDA-graph timing with CUDA events, and a staged search over launch configurations under a time budget. GPU only.
+CUDA-graph timing with CUDA events, and a staged search over launch configurations under a time budget. On a GPU;
+``--smoke`` runs a sweep's every path at tiny shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
+float16 activations: numpy has no bfloat16; times are wall times of one call, meaningless): the suite's check that
+the next GPU session's command runs (tests/test_kernel_sweeps_interpret.py).
 
 Legend: B requests of N keys, Q query heads, K kv heads, D head size, PS tokens per page.
 """
@@ -14,6 +17,9 @@ from pathlib import Path
 import torch
 
 HQ, HK, D, PS = 32, 8, 128, 16
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ACT = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+"""Activations' (and the exact cache's) dtype: bf16 as served; float16 in the interpreter."""
 RESULTS = Path(__file__).resolve().parent / "results"
 FP8_BOUND = 1e-1
 """fp8 e4m3's bound vs float64 on outlier data (README, tests/test_triton_interpret.py)."""
@@ -22,7 +28,7 @@ FP8_BOUND = 1e-1
 @dataclass
 class PagedCase:
     cache: torch.Tensor
-    """[2, pages, PS, K, D] bf16: the exact values."""
+    """[2, pages, PS, K, D] ACT: the exact values."""
     table: torch.Tensor
     """[B, N / PS] int64: each request's pages (shuffled)."""
     keys: int
@@ -42,7 +48,7 @@ def paged_case(batch: int, keys: int, device, seed: int = 7) -> PagedCase:
         x = torch.randn(pages, PS, HK, D, generator=g, device=device)
         x[..., 3] *= 20.0
         x = torch.where(torch.rand(x.shape, generator=g, device=device) < 0.002, torch.sign(x) * 40.0, x)
-        halves.append((x * scale).to(torch.bfloat16))
+        halves.append((x * scale).to(ACT))
     table = torch.randperm(pages, generator=g, device=device).view(batch, per)
     return PagedCase(torch.stack(halves), table, keys)
 
@@ -83,7 +89,11 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def time_graph(fn, iters: int = 10, replays: int = 10) -> float:
     """ms per call of ``fn``: ``iters`` calls captured in one CUDA graph, replayed ``replays`` times after a warm-up
-    replay, timed with CUDA events (the kernels' time, not Python's)."""
+    replay, timed with CUDA events (the kernels' time, not Python's). Off the GPU: one call's wall time (smoke)."""
+    if DEVICE.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     fn()   # compiles and warms up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -119,7 +129,8 @@ def try_candidate(measure, cfg: dict) -> dict:
     try:
         return dict(cfg=cfg, **measure(cfg))
     except Exception as exc:   # noqa: BLE001 - recorded and shown, never fatal to the sweep
-        torch.cuda.synchronize()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
         return dict(cfg=cfg, error=f"{type(exc).__name__}: {str(exc)[:160]}")
 
 
@@ -141,6 +152,10 @@ def new_kernel_stats(jit_fn, seen: set) -> list[dict]:
     except Exception as exc:   # noqa: BLE001 - a diagnostic, never fatal
         stats.append(dict(unavailable=f"{type(exc).__name__}: {str(exc)[:80]}"))
     return stats
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter smoke run)"
 
 
 def config_line(name: str, cfg: dict, base: dict) -> str:

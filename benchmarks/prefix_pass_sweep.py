@@ -17,6 +17,7 @@ Every output is checked against float64 (rel < 1e-2). Prints the winner, its rat
 line to paste, and writes JSON (default benchmarks/results/prefix_pass_sweep.json).
 
     python benchmarks/prefix_pass_sweep.py [--questions 16] [--prefix-keys 262144] [--seconds 100] [--json PATH]
+    TRITON_INTERPRET=1 python benchmarks/prefix_pass_sweep.py --smoke --json PATH   # every path, tiny, on the CPU
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_sweep_common import (D, HK, HQ, RESULTS, Budget, config_line, float64_attention,  # noqa: E402
-                                 new_kernel_stats, paged_case, rel, time_graph, try_candidate)
+from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, RESULTS, Budget, config_line,  # noqa: E402
+                                 device_name, float64_attention, new_kernel_stats, paged_case, rel, time_graph,
+                                 try_candidate)
 
 BF16_BOUND = 1e-2
 
@@ -63,17 +65,20 @@ def main() -> int:
     parser.add_argument("--prefix-keys", type=int, default=262144, help="keys of the prefix on this GPU")
     parser.add_argument("--seconds", type=float, default=100.0, help="wall-time budget (setup and candidates)")
     parser.add_argument("--json", default=str(RESULTS / "prefix_pass_sweep.json"))
+    parser.add_argument("--smoke", action="store_true", help="a 512-key prefix, 30 s (CPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
+    if args.smoke:
+        args.prefix_keys, args.seconds = 512, 30.0
     from cpattn.attention.backends import triton_decode as tk
     from cpattn.attention.backends import triton_query_groups as tq
     from cpattn.attention.cascade_plan import merge_prefix_rows
 
     budget = Budget(args.seconds)
-    dev = torch.device("cuda")
+    dev = DEVICE
     n, keys, scale = args.questions, args.prefix_keys, D ** -0.5
     case = paged_case(1, keys, dev)
-    q1 = torch.randn(1, HQ, D, device=dev).to(torch.bfloat16)
-    qn = torch.randn(n, HQ, D, device=dev).to(torch.bfloat16)
+    q1 = torch.randn(1, HQ, D, device=dev).to(ACT)
+    qn = torch.randn(n, HQ, D, device=dev).to(ACT)
     ref1, refn = float64_attention(q1, case), float64_attention(qn, case, [0] * n)
     k_cache, v_cache = case.cache[0], case.cache[1]
     saved = dict(tk.CONFIG_OVERRIDES)
@@ -82,12 +87,12 @@ def main() -> int:
 
     idx = torch.zeros(1, dtype=torch.int32, device=dev)
     lens = torch.full((1,), keys, dtype=torch.int32, device=dev)
-    out1, lse1 = torch.empty(1, HQ, D, dtype=torch.bfloat16, device=dev), torch.empty(1, HQ, device=dev)
+    out1, lse1 = torch.empty(1, HQ, D, dtype=ACT, device=dev), torch.empty(1, HQ, device=dev)
     splits1 = tk.decode_num_splits(1, HK, keys, dev)
     decode_ms = time_graph(lambda: tk.paged_decode(q1, k_cache, v_cache, case.table, idx, idx, lens, splits1, scale,
                                                    out1, lse1, all_rows=True))
     decode_rel = rel(out1, ref1)
-    outn, lsen = torch.empty(n, HQ, D, dtype=torch.bfloat16, device=dev), torch.empty(n, HQ, device=dev)
+    outn, lsen = torch.empty(n, HQ, D, dtype=ACT, device=dev), torch.empty(n, HQ, device=dev)
 
     def groups():
         return tq.plan_query_groups([0, n], [n], [keys], [0], HK, dev)
@@ -111,7 +116,7 @@ def main() -> int:
 
     def stage(configs):
         for cfg in configs:
-            if budget.left() < 6 or any(r["cfg"] == cfg for r in rows):
+            if (rows and budget.left() < 6) or any(r["cfg"] == cfg for r in rows):   # today's always
                 continue
             rows.append(dict(try_candidate(measure, cfg), kernels=new_kernel_stats(tk._paged_decode_kernel, seen)))
             print("   ", _row_text(rows[-1]), rows[-1]["kernels"], f"[{budget.elapsed():.0f} s]", flush=True)
@@ -132,7 +137,7 @@ def main() -> int:
     if "ms" in win:   # the forks' whole prefix work in a layer: q gather, the pass, the merge into suffix rows
         tk.CONFIG_OVERRIDES["query_groups"] = {k: v for k, v in win["cfg"].items() if base.get(k) != v}
         grp, rows_dev = groups(), torch.arange(n, device=dev)
-        suffix_out, suffix_lse = torch.randn(n, HQ, D, device=dev).to(torch.bfloat16), torch.randn(n, HQ, device=dev)
+        suffix_out, suffix_lse = torch.randn(n, HQ, D, device=dev).to(ACT), torch.randn(n, HQ, device=dev)
 
         def layer_fn():
             q_rows = qn[rows_dev]
@@ -153,7 +158,7 @@ def main() -> int:
     print(line)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
+    out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=device_name(),
                                    torch=torch.__version__, questions=n, prefix_keys=keys, decode_ms=decode_ms,
                                    decode_rel=decode_rel, legacy_ms=legacy_ms, legacy_rel=legacy_rel, base=base,
                                    rows=rows, winner=win, layer=layer, adopt_line=line), indent=1, default=str))

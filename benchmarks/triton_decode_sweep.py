@@ -13,7 +13,8 @@ default configuration (fp8 e4m3 <= 0.6x bf16, a 4,096-key window <= 0.05 ms), an
 The fp8 cache's own configuration (triton_decode.CONFIG_OVERRIDES["fp8"]): kernel variants (page-wise tile loads,
 prefetch, float16 dots), tilings and split factors, staged within ``--seconds``, at B=1 over 1M keys and B=64 over
 32K keys (outlier data, each candidate checked against float64: rel < 1e-1), against the bf16 kernel's time on the
-same data. Prints the winner, its ratio to bf16 and the line to paste; writes triton_fp8_sweep.json.
+same data. Prints the winner, its ratio to bf16 and the line to paste; writes triton_fp8_sweep.json. With
+``--smoke`` (and TRITON_INTERPRET=1, no GPU): every path at tiny shapes on the CPU, 30 s.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_sweep_common import (FP8_BOUND, RESULTS, Budget, config_line, float64_attention,  # noqa: E402
-                                 new_kernel_stats, paged_case, rel, time_graph, try_candidate, with_fp8)
+from kernel_sweep_common import (ACT, DEVICE, FP8_BOUND, RESULTS, Budget, config_line,  # noqa: E402
+                                 device_name, float64_attention, new_kernel_stats, paged_case, rel, time_graph,
+                                 try_candidate, with_fp8)
 
 from kernel_sweep_common import D, HK, HQ, PS  # noqa: E402  (cp_scaling's geometry)
 
@@ -115,12 +117,16 @@ def main() -> int:
     parser.add_argument("--goals-only", action="store_true", help="only issue 22's goals at the longest context")
     parser.add_argument("--fp8-sweep", action="store_true", help="the fp8 cache's configuration (CONFIG_OVERRIDES)")
     parser.add_argument("--seconds", type=float, default=100.0, help="--fp8-sweep's wall-time budget")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--fp8-sweep at tiny shapes, 30 s (CPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
     from cpattn.attention.backends import triton_decode as tk
 
-    dev = torch.device("cuda")
-    if args.fp8_sweep:
-        _write(args.json or RESULTS / "triton_fp8_sweep.json", fp8_sweep(tk, dev, args.seconds))
+    dev = DEVICE
+    if args.fp8_sweep or args.smoke:
+        cases = (("b1_1m", 1, 1024), ("b64_32k", 4, 128)) if args.smoke else FP8_CASES
+        result = fp8_sweep(tk, dev, 30.0 if args.smoke else args.seconds, cases)
+        _write(args.json or RESULTS / "triton_fp8_sweep.json", result)
         return 0
     base_cfg = dict(tk.DECODE_CONFIG)
     rows = []
@@ -165,7 +171,7 @@ def main() -> int:
 def _write(path, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
+    path.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=device_name(),
                                     torch=torch.__version__, **result), indent=1, default=str))
     print("wrote", path)
 
@@ -174,7 +180,7 @@ FP8_CASES = (("b1_1m", 1, 1 << 20), ("b64_32k", 64, 32768))
 """(name, requests, keys each): issue 22's goal case and a batched one (no regression there)."""
 
 
-def fp8_sweep(tk, dev, seconds: float) -> dict:
+def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES) -> dict:
     """Staged search of CONFIG_OVERRIDES["fp8"]: variants at today's tiling, then tilings with the best variant, then
     split factors, each candidate timed at 1M and checked against float64; then today's and the four fastest at B=64
     too (the last ~20 s of the budget). The winner: fastest at 1M among valid finalists no more than 5% slower than
@@ -183,13 +189,13 @@ def fp8_sweep(tk, dev, seconds: float) -> dict:
     base = tk.decode_config()
     cases = {}
     saved = dict(tk.CONFIG_OVERRIDES)
-    for name, batch, keys in FP8_CASES:
+    for name, batch, keys in fp8_cases:
         case = with_fp8(paged_case(batch, keys, dev))
-        q = torch.randn(batch, HQ, D, device=dev).to(torch.bfloat16)
+        q = torch.randn(batch, HQ, D, device=dev).to(ACT)
         ref = float64_attention(q, case)
         idx = torch.arange(batch, dtype=torch.int32, device=dev)
         lens = torch.full((batch,), keys, dtype=torch.int32, device=dev)
-        out = torch.empty(batch, HQ, D, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(batch, HQ, D, dtype=ACT, device=dev)
         lse = torch.empty(batch, HQ, dtype=torch.float32, device=dev)
         splits = tk.decode_num_splits(batch, HK, keys, dev)   # the builder's plan (it does not know the cache dtype)
 
@@ -219,7 +225,7 @@ def fp8_sweep(tk, dev, seconds: float) -> dict:
 
     def stage(configs):   # screened at 1M only (one compile, one timing each); B=64 for the finalists
         for cfg in configs:
-            if budget.left() < 20 or any(r["cfg"] == cfg for r in rows):
+            if (rows and budget.left() < 20) or any(r["cfg"] == cfg for r in rows):   # today's always
                 continue
             rows.append(dict(try_candidate(measure, cfg), kernels=new_kernel_stats(tk._paged_decode_kernel, seen)))
             print("   ", _fp8_row_text(rows[-1]), rows[-1]["kernels"], f"[{budget.elapsed():.0f} s]", flush=True)
