@@ -90,7 +90,7 @@ def _paged_decode_kernel(
     bt_row = bt_ptr + req * stride_btb
     if PREFETCH:
         # Software double buffering: the next tile's loads are issued before this tile's math (a loop-carried
-        # copy in registers), where the compiler's pipeliner does not overlap gathered loads.
+        # copy in registers): a speed candidate in case the compiler's pipeliner does not overlap the gathered loads.
         k_nx, v_nx, ks_nx, vs_nx, m_nx = _decode_tile(
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, end, kh, stride_kb, stride_ks, stride_kh,
             stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)

@@ -94,8 +94,9 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     dot's columns and V's the probabilities (the fp8 values convert to the dot's dtype exactly). Soft cap:
     the scaled logit s becomes cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (cap_in = 2 log2(e) * scale
     / cap, cap_out = cap * log2(e)). V_SCALED (fp8): V's rows times their scales in float32, then the dot's dtype
-    (exact: the scales are powers of two), instead of the probabilities' columns: the fp8 V tile is converted where it
-    is loaded, so the dot's transposed operand is 16-bit (an 8-bit one has no ldmatrix.trans)."""
+    (exact: the scales are powers of two), instead of the probabilities' columns: a speed candidate (the sweep
+    decides) that converts the fp8 V tile before the dot, so the transposed operand may be a 16-bit one (ldmatrix.trans
+    has no 8-bit form)."""
     raw = tl.dot(q, tl.trans(k.to(q.dtype)))
     if FP8:
         raw = raw * k_scale[None, :]
