@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--matmul", action="store_true", help="a [T, Hq*D] x [Hq*D, Hq*D] matmul between layers")
     parser.add_argument("--kv-budget-gb", type=float, default=96.0)
-    parser.add_argument("--json", default="benchmarks/results/decode_graph.json")
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "decode_graph.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, 1 and 2 shards (eager)")
     args = parser.parse_args(argv)
     import cpattn

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"any of {', '.join(CASES)}")
     parser.add_argument("--run-steps", type=int, default=32, help="steps of a decode run (decode_run_steps)")
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--json", default="benchmarks/results/plan_cost.json")
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "plan_cost.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repeats: every path in seconds")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)   # as in the coordinator's actor

@@ -3,6 +3,8 @@
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh tests   # kernels, decode graphs, service and data plane on GPU
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh sweep   # TRITON decode launch configurations
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh bench   # benchmarks/cp_scaling.py (GPUS=1,2 CASES=...)
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-sweep     # issue 22: CONFIG_OVERRIDES["fp8"], ~2 min, 1 GPU
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh prefix-sweep  # issue 24: CONFIG_OVERRIDES["query_groups"], ~2 min
 set -u
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1
@@ -23,4 +25,12 @@ case "${1:-tests}" in
       --repeats "${REPEATS:-5}" ${CASES:+--cases "$CASES"} --json "$OUT/cp_scaling.json" 2>&1 \
       | tee "$OUT/cp_scaling.log" | grep -v -E "WARNING|NumPy|token|^\s*$" | tail -40
     echo "bench $(( $(date +%s) - T0 ))s" ;;
+  fp8-sweep)
+    timeout "${LIMIT:-200}" python3 benchmarks/triton_decode_sweep.py --fp8-sweep --seconds "${SECONDS_BUDGET:-100}" \
+      --json "$OUT/triton_fp8_sweep.json" 2>&1 | tee "$OUT/triton_fp8_sweep.log" | grep -v -E "WARNING|NumPy" | tail -40
+    echo "fp8-sweep $(( $(date +%s) - T0 ))s" ;;
+  prefix-sweep)
+    timeout "${LIMIT:-200}" python3 benchmarks/prefix_pass_sweep.py --seconds "${SECONDS_BUDGET:-100}" \
+      --json "$OUT/prefix_pass_sweep.json" 2>&1 | tee "$OUT/prefix_pass_sweep.log" | grep -v -E "WARNING|NumPy" | tail -40
+    echo "prefix-sweep $(( $(date +%s) - T0 ))s" ;;
 esac

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"any of {', '.join(WAYS)}")
-    parser.add_argument("--json", default="benchmarks/results/shared_prefix.json")
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "shared_prefix.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TORCH backend, gloo), 2 shards: "
                                                              "checks that every path still runs (the test suite runs it)")
     args = parser.parse_args(argv)

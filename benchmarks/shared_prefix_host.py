@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--fresh-split", action="store_true", help="a new PrefixSplitter per step (nothing kept)")
-    parser.add_argument("--json", default="benchmarks/results/shared_prefix_host.json")
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "shared_prefix_host.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat: every path in seconds")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)   # as in a Ray actor (OMP_NUM_THREADS=1)

@@ -133,7 +133,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         if not md.decode_only:
             if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts:
                 return None
-            groups = tuple((g.n, g.req.numel(), g.splits) for g in md.query_groups)
+            groups = tuple((g.n, g.req.numel(), g.splits, g.all_rows) for g in md.query_groups)
             return md.num_tokens, ("groups", md.has_writes, *groups), width
         splits = md.num_splits
         if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)

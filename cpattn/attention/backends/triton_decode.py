@@ -12,7 +12,26 @@ import torch
 import triton
 import triton.language as tl
 
-from cpattn.attention.backends.triton_tiles import feature_args, kv_tile, online_softmax_tile
+from cpattn.attention.backends.triton_tiles import feature_args, kv_tile, kv_tile_pages, online_softmax_tile
+
+
+@triton.jit
+def _decode_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div,
+                 offs_d, d_mask, PS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                 PAGE_TILES: tl.constexpr):
+    """K, V, their scales and the key mask of the tile [n, n + BLOCK_N) (keys from ``end`` on masked)."""
+    pos = n + tl.arange(0, BLOCK_N)
+    n_mask = pos < end
+    if PAGE_TILES:
+        k, v, k_scale, v_scale = kv_tile_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh,
+                                               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                               stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8)
+    else:
+        k, v, k_scale, v_scale = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, 0,
+                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         stride_sp, scale_div, offs_d, d_mask, PS, True, True, FP8)
+    return k, v, k_scale, v_scale, n_mask
 
 
 @triton.jit
@@ -29,7 +48,8 @@ def _paged_decode_kernel(
     G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
-    F16_DOT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, NQ: tl.constexpr = 1, PAGE_TILES: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, V_SCALED: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     kh = tl.program_id(1)
@@ -50,13 +70,14 @@ def _paged_decode_kernel(
     start = first + s * chunk
     end = tl.minimum(start + chunk, kv_len)
 
+    # Rows: NQ queries (consecutive token rows from ``tok``, a query group) x G heads of kv head kh, query-major.
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G
+    g_mask = offs_g < NQ * G
     d_mask = offs_d < D
-    heads = kh * G + offs_g
-    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+    row_q = (offs_g // G).to(tl.int64)
+    heads = kh * G + offs_g % G
+    q = tl.load(q_ptr + (tok + row_q)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if FP8 and F16_DOT:
         # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 is not (the fp8 read
@@ -67,27 +88,38 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + req * stride_btb
-    for n in range(start, end, BLOCK_N):
-        pos = n + offs_n
-        n_mask = pos < end
-        k, v, k_scale, v_scale = kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, 0,
-                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                         stride_sp, scale_div, offs_d, d_mask, PS, True, True, FP8)
-        acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
-                                            scale_log2, cap_in, cap_out, True, FP8, SOFTCAP)
+    if PREFETCH:
+        # Software double buffering: the next tile's loads are issued before this tile's math (a loop-carried
+        # copy in registers): a speed candidate in case the compiler's pipeliner does not overlap the gathered loads.
+        k_nx, v_nx, ks_nx, vs_nx, m_nx = _decode_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, end, kh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)
+        for n in range(start, end, BLOCK_N):
+            k, v, k_scale, v_scale, n_mask = k_nx, v_nx, ks_nx, vs_nx, m_nx
+            k_nx, v_nx, ks_nx, vs_nx, m_nx = _decode_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n + BLOCK_N, end, kh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)
+            acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
+                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, V_SCALED)
+    else:
+        for n in range(start, end, BLOCK_N):
+            k, v, k_scale, v_scale, n_mask = _decode_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N, FP8, PAGE_TILES)
+            acc, m_i, l_i = online_softmax_tile(q, k, v, k_scale, v_scale, n_mask[None, :], acc, m_i, l_i,
+                                                scale_log2, cap_in, cap_out, True, FP8, SOFTCAP, V_SCALED)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     if DIRECT:
-        o_rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + tok * stride_lt + heads, lse, mask=g_mask)
-    else:
-        o_rows = out_ptr + s * stride_os + i * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_rows, out, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(lse_ptr + s * stride_ls + i * stride_lt + heads, lse, mask=g_mask)
+        row = tok + row_q
+    else:   # partial row i * NQ + query: the group's queries in order
+        row = i.to(tl.int64) * NQ + row_q
+    o_rows = out_ptr + s * stride_os + row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + s * stride_ls + row * stride_lt + heads, lse, mask=g_mask)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -98,34 +130,66 @@ def _num_sms(device: torch.device) -> int:
 
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
 # length, warps and pipeline stages (chosen on an H200, see benchmarks/RESULTS.md); fp8_f16_dot: an fp8 cache's
-# dots in float16 instead of the activations' dtype (off until benchmarks/triton_decode_sweep.py --goals-only shows
-# it faster on the GPU).
-DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False)
+# dots in float16 instead of the activations' dtype; page_tiles: block-table entries and fp8 scales loaded once per
+# page, not per key (tiles start on pages; not under windows); prefetch: the next tile's loads issued before this
+# tile's math; split_factor: S times this at launch (the plan's S is chosen before the cache dtype is known);
+# fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED).
+DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
+                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False)
+
+# What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
+# benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
+# benchmarks/prefix_pass_sweep.py the "query_groups" entry (a context pass's query groups: a shared prefix's pass,
+# triton_query_groups.py).
+CONFIG_OVERRIDES = {
+    "fp8": {},
+    "query_groups": {},
+}
+
+
+def decode_config(fp8: bool = False, query_groups: bool = False) -> dict:
+    """DECODE_CONFIG with the case's overrides (query groups' over fp8's)."""
+    cfg = dict(DECODE_CONFIG)
+    if fp8:
+        cfg.update(CONFIG_OVERRIDES["fp8"])
+    if query_groups:
+        cfg.update(CONFIG_OVERRIDES["query_groups"])
+    return cfg
 
 
 def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
-                      block_n: int | None = None) -> int:
+                      block_n: int | None = None, config: dict | None = None) -> int:
     """S: enough (token, kv head, split) programs to fill the GPU ``waves`` times, splits at least
     ``min_tiles`` tiles long so each amortizes its merge; a power of two, so a decode loop's S (and
-    the CUDA graphs captured for it) changes only a few times as its sequences grow."""
-    block_n = block_n or DECODE_CONFIG["block_n"]
-    target = DECODE_CONFIG["waves"] * _num_sms(device)
+    the CUDA graphs captured for it) changes only a few times as its sequences grow. ``config``: decode_config()'s
+    (default DECODE_CONFIG)."""
+    cfg = config or DECODE_CONFIG
+    block_n = block_n or cfg["block_n"]
+    target = cfg["waves"] * _num_sms(device)
     programs = max(1, num_tokens * num_kv_heads)
-    max_splits = max(1, -(-max_kv_len // (DECODE_CONFIG["min_tiles"] * block_n)))
+    max_splits = max(1, -(-max_kv_len // (cfg["min_tiles"] * block_n)))
     splits = max(1, min(-(-target // programs), max_splits, 256))
     return 1 << (splits.bit_length() - 1)
+
+
+def launch_splits(splits: int, cfg: dict) -> int:
+    """The plan's S scaled by ``cfg``'s split_factor, a power of two in [1, 256]."""
+    scaled = max(1, min(256, int(splits * cfg.get("split_factor", 1))))
+    return 1 << (scaled.bit_length() - 1)
 
 
 def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int,
                  scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False,
                  key_start: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None,
-                 soft_cap: float | None = None) -> None:
+                 soft_cap: float | None = None, queries: int = 1) -> None:
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
     ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
-    ``all_rows``: tok_idx is 0 .. T-1 in order (a decode-only step).
+    ``all_rows``: the rows written are 0 .. T-1 in order (a decode-only step; a query group covering the step).
     ``key_start`` (int32, one per decode): a sliding window's first visible key (keys before it are not read).
-    ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap)."""
+    ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap).
+    ``queries``: each ``tok_idx`` entry is the first of that many consecutive rows of one request that see the same
+    keys (a context pass's query group, triton_query_groups.py): all their rows x G heads share each program."""
     from cpattn.attention.ops.lse import LseBase
     from cpattn.attention.merge_triton import merge_attn_states_triton
 
@@ -135,15 +199,18 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hq, d = q_TQD.shape[1], q_TQD.shape[2]
     _, ps, hk, _ = k_cache.shape
     g = hq // hk
-    block_g = max(16, triton.next_power_of_2(g))
+    block_g = max(16, triton.next_power_of_2(queries * g))
     block_d = triton.next_power_of_2(d)
-    cfg = DECODE_CONFIG
+    cfg = decode_config(fp8=kv_scale is not None, query_groups=queries > 1)
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
+    splits = launch_splits(splits, cfg)
+    page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
     common = dict(G=g, D=d, PS=ps, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, WINDOW=key_start is not None,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"] if d <= 128 else 2,
-                  F16_DOT=bool(cfg.get("fp8_f16_dot")), **flags)
+                  F16_DOT=bool(cfg["fp8_f16_dot"]), NQ=queries, PAGE_TILES=page_tiles, PREFETCH=bool(cfg["prefetch"]),
+                  V_SCALED=bool(cfg["fp8_v_scaled"]), **flags)
     ks, vs, stride_sp, scale_div, *logit_args = launch_args
     args_head = (q_TQD, k_cache, v_cache, block_table, tok_idx, req_idx, kv_lens,
                  kv_lens if key_start is None else key_start, ks, vs)
@@ -154,17 +221,20 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                    0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
                                    *logit_args, DIRECT=True, **common)
         return
-    part_out = torch.empty(splits, num_tok, hq, d, dtype=torch.float32, device=q_TQD.device)
-    part_lse = torch.empty(splits, num_tok, hq, dtype=torch.float32, device=q_TQD.device)
+    rows_out = num_tok * queries
+    part_out = torch.empty(splits, rows_out, hq, d, dtype=torch.float32, device=q_TQD.device)
+    part_lse = torch.empty(splits, rows_out, hq, dtype=torch.float32, device=q_TQD.device)
     _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
                                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                                part_lse.stride(0), part_lse.stride(1),
                                *logit_args, DIRECT=False, **common)
     if all_rows:
-        # Every token is a decode, in order: the merge writes the output in place.
+        # The rows are 0 .. T-1 in order: the merge writes the output in place.
         merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)
     else:
         merged, merged_lse = merge_attn_states_triton(part_out, part_lse, LseBase.E, out_dtype=out_TQD.dtype)
         rows = tok_idx.long()
+        if queries > 1:
+            rows = (rows[:, None] + torch.arange(queries, device=rows.device)).flatten()
         out_TQD.index_copy_(0, rows, merged)
         lse_TQ.index_copy_(0, rows, merged_lse)

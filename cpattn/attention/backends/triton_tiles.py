@@ -56,12 +56,47 @@ def kv_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, n_mask, kh, kv0,
 
 
 @triton.jit
+def kv_tile_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div,
+                  offs_d, d_mask, PS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """kv_tile for keys [n, n + BLOCK_N) of a paged cache, masked at ``end``, for a tile that starts on a page
+    (n % PS == 0, BLOCK_N % PS == 0, PS a power of two): one block-table entry and, for fp8, one K and one V scale
+    per page, broadcast to its PS keys, instead of a gather per key (a 128-key tile of 16-token pages: 8 loads,
+    not 128, for each of the three)."""
+    offs_p = tl.arange(0, BLOCK_N // PS)
+    p_mask = n + offs_p * PS < end
+    page_p = tl.load(bt_row + n // PS + offs_p, mask=p_mask, other=0).to(tl.int64)
+    page = tl.reshape(tl.broadcast_to(page_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+    offs_n = tl.arange(0, BLOCK_N)
+    n_mask = n + offs_n < end
+    within = (offs_n % PS).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_off = page * stride_kb + within * stride_ks
+    v_off = page * stride_vb + within * stride_vs
+    k = tl.load(k_ptr + k_off[:, None] + kh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + kh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if FP8:
+        srow = (page_p // scale_div) * stride_sp + kh
+        ks_p = tl.load(ks_ptr + srow, mask=p_mask, other=0.0)
+        vs_p = tl.load(vs_ptr + srow, mask=p_mask, other=0.0)
+        k_scale = tl.reshape(tl.broadcast_to(ks_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+        v_scale = tl.reshape(tl.broadcast_to(vs_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+    else:
+        k_scale = tl.zeros(offs_n.shape, tl.float32) + 1.0
+        v_scale = k_scale
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
 def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale_log2, cap_in, cap_out,
-                        MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr):
+                        MASKED: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr, V_SCALED: tl.constexpr = False):
     """One key tile into the running (acc, m, l) of base-2 online softmax. fp8: K's page scale multiplies the
     dot's columns and V's the probabilities (the fp8 values convert to the dot's dtype exactly). Soft cap:
     the scaled logit s becomes cap * tanh(s / cap), tanh(y) = 1 - 2 / (exp(2y) + 1) (cap_in = 2 log2(e) * scale
-    / cap, cap_out = cap * log2(e))."""
+    / cap, cap_out = cap * log2(e)). V_SCALED (fp8): V's rows times their scales in float32, then the dot's dtype
+    (exact: the scales are powers of two), instead of the probabilities' columns: a speed candidate (the sweep
+    decides) that converts the fp8 V tile before the dot, so the transposed operand may be a 16-bit one (ldmatrix.trans
+    has no 8-bit form)."""
     raw = tl.dot(q, tl.trans(k.to(q.dtype)))
     if FP8:
         raw = raw * k_scale[None, :]
@@ -79,9 +114,13 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    if FP8 and V_SCALED:
+        v_dot = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    else:
+        v_dot = v.to(q.dtype)
+        if FP8:
+            p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot)
     return acc, m_new, l_i
 
 

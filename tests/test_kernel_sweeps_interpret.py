@@ -1,0 +1,48 @@
+"""The next GPU session's sweep commands run: ``triton_decode_sweep.py --fp8-sweep`` and ``prefix_pass_sweep.py`` with
+``--smoke`` (tiny shapes, the CPU, Triton's interpreter) end to end: data, float64 references, candidates, winner,
+the line to paste, JSON. A change that breaks a sweep fails here, not in the GPU session's scarce minutes.
+
+    TRITON_INTERPRET=1 PYTHONPATH=. <python with torch, triton> -m pytest tests/test_kernel_sweeps_interpret.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs the Triton interpreter on the CPU: set TRITON_INTERPRET=1 on a machine without CUDA",
+                allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _smoke(script: str, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "sweep.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *extra, "--smoke", "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("script, extra, entry, bound", [
+    ("triton_decode_sweep.py", ("--fp8-sweep",), "fp8", 1e-1),
+    ("prefix_pass_sweep.py", (), "query_groups", 1e-2)])
+def test_sweep_smoke_prints_a_checked_winner_and_its_line(script, extra, entry, bound, tmp_path):
+    result, stdout = _smoke(script, tmp_path, *extra)
+    today = result["rows"][0]
+    assert today["cfg"] == result["base"] and today["valid"] and "error" not in today
+    assert all(v < bound for k, v in today.items() if k.endswith("rel"))
+    assert result["winner"]["valid"] and result["adopt_line"].startswith(f'    "{entry}": {{')
+    assert result["adopt_line"] in stdout
+    line = result["adopt_line"].strip().rstrip(",")
+    overrides = eval("{" + line + "}")   # the pasted line is a valid CONFIG_OVERRIDES entry
+    assert set(overrides[entry]) <= set(result["base"])
