@@ -30,6 +30,7 @@ from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
+from cpattn.cluster.wire_select import OwnLayers
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
@@ -220,16 +221,21 @@ class ShardWorker(ShardKVPages, ShardGroups):
         if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
             return self._refuse_fenced(plane, plan, timings)
         a0 = time.perf_counter()
-        graphed = step_graphs is not None and step_graphs.prepare(planned)
+        graphed = not plan.selected and step_graphs is not None and step_graphs.prepare(planned)
+        own = self._own_layers(plan)
         headers = []
         try:
             if graphed:
                 step_graphs.replay()
             else:
                 for layer in range(self.config.num_layers):
-                    header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+                    if own is None:
+                        header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+                        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+                    else:
+                        header, q, k, v = own.unpack(plane.recv_own_layer(own.nbytes, self.device, ahead=True))
                     headers.append(header)
-                    out, lse = self.runner.run_layer(planned, layer, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:])
+                    out, lse = self.runner.run_layer(planned, layer, q, k, v)
                     if plan.num_rows:
                         plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
         finally:
@@ -251,6 +257,13 @@ class ShardWorker(ShardKVPages, ShardGroups):
         timings["outcome"] = "served"
         return timings
 
+    def _own_layers(self, plan: ShardStepPlan) -> OwnLayers | None:
+        """A selected step's receiver of this rank's own messages (cluster/wire_select.py); None: broadcast."""
+        if not plan.selected:
+            return None
+        cfg = self.config
+        return OwnLayers(plan, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, self.dtype, self.device)
+
     def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict,
                       step_graphs: ShardStepGraphs | None = None) -> dict:
         if plane.backend == "nccl":
@@ -258,12 +271,19 @@ class ShardWorker(ShardKVPages, ShardGroups):
         plan = planned.plan
         hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         t = plan.num_tokens
+        own = self._own_layers(plan)
         served: set[int] = set()
         while len(served) < self.config.num_layers:
             while self._hang:
                 time.sleep(0.05)
             w0 = time.perf_counter()
-            (command, layer, step_id, num_tokens), qkv = plane.recv_layer(t, hq + 2 * hk, d, self.dtype, self.device)
+            if own is None:
+                (command, layer, step_id, num_tokens), qkv = plane.recv_layer(t, hq + 2 * hk, d, self.dtype,
+                                                                              self.device)
+                q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+            else:
+                header, q, k, v = own.unpack(plane.recv_own_layer(own.nbytes, self.device))
+                command, layer, step_id, num_tokens = header.tolist()
             if command == CMD_ABORT:
                 timings["outcome"] = "abort"
                 return timings
@@ -274,7 +294,6 @@ class ShardWorker(ShardKVPages, ShardGroups):
             if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
                 return self._refuse_fenced(plane, plan, timings)
             a0 = time.perf_counter()
-            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
             out, lse = self.runner.run_layer(planned, layer, q, k, v)
             self._fence.leave()   # fencing: this layer's KV writes are launched (fence() waits for the device)
             a1 = time.perf_counter()
