@@ -17,7 +17,6 @@ by the next call this client makes, so a steady decode loop pays one Ray round t
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
@@ -39,7 +38,7 @@ from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.step_run import finish_deferred_commit
 from cpattn.cluster.wire_messages import LayerMessage
-from cpattn.cluster.wire_select import blank_own_message, layer_header, pack_own_message
+from cpattn.cluster.wire_select import blank_layer, post_layer, selection_of
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
@@ -227,12 +226,8 @@ class Gateway(RunControl, GroupMembership):
         norms = None
         if self.device.type == "cuda" and cfg.nan_policy == "reject":
             norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
-        selection = None
-        if info.remote_kv_rows is not None:
-            none = torch.zeros(0, dtype=torch.int64, device=self.device)   # a rank absent from remote_rows computes none
-            selection = {r: (remote_rows.get(r, none), None if kv is None else kv.to(self.device))
-                         for r, kv in info.remote_kv_rows.items()}
-        wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms, selection=selection)
+        wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms,
+                        selection=selection_of(info.remote_kv_rows, remote_rows, self.device))
         if self.client_graphs is not None and self.client_graphs.prepare(wire):
             wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
             wire.norms = None if norms is None else self.client_graphs.norms
@@ -255,19 +250,7 @@ class Gateway(RunControl, GroupMembership):
         q, k, v = message.q, message.k, message.v
         if wire.graphs is not None and sinks_Q is None:
             return wire.graphs.run(layer, q, k, v)
-        sending = []
-        if wire.selection is not None:   # each remote rank its rows only: q|k|v is never concatenated whole
-            if wire.norms is not None:
-                wire.norms[layer] = torch.stack([torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
-                                                 for x in (q, k, v)]).max()
-            sending = self._send_own(wire, CMD_ATTEND, layer, message)
-        elif self.plane is not None or wire.norms is not None:
-            packed = message.packed()   # q|k|v concatenated once, in the wire message itself
-            if wire.norms is not None:
-                torch.linalg.vector_norm(packed, math.inf, dtype=torch.float32, out=wire.norms[layer])
-            if self.plane is not None:
-                sending = self.plane.send_layer(message, CMD_ATTEND, layer, wire.step_id)
-                wire.sent_bytes += message.buffer.numel()
+        sending = post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ATTEND, layer, message)
         # The in-process shards compute while the sends are in flight (gloo: its threads; NCCL: its stream).
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
         if sending:
@@ -285,19 +268,6 @@ class Gateway(RunControl, GroupMembership):
             return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
         return merge_rows(parts, wire.num_tokens, sinks_Q)
 
-    def _send_own(self, wire: StepWire, command: int, layer: int, message: LayerMessage | None) -> list:
-        """A selected step: each remote rank's own message posted (``message`` None: a blank one, ABORT)."""
-        cfg = self.config
-        header = layer_header(command, layer, wire.step_id, wire.num_tokens, self.device)
-        own = {}
-        for r, (q_rows, kv_rows) in wire.selection.items():
-            own[self.remote.index(r) + 1] = (
-                blank_own_message(header, q_rows, kv_rows, wire.num_tokens, cfg.num_q_heads, cfg.num_kv_heads,
-                                  cfg.head_size, cfg.torch_dtype) if message is None else
-                pack_own_message(header, message.q, message.k, message.v, q_rows, kv_rows))
-        wire.sent_bytes += sum(m.numel() for m in own.values())
-        return self.plane.send_own_layers(own)
-
     def abort_wire(self, wire: StepWire, remaining: int) -> None:
         """Release the remote shards still waiting for this step's ``remaining`` layers (messages of a layer's size).
 
@@ -308,17 +278,12 @@ class Gateway(RunControl, GroupMembership):
         if self.plane is None:
             return
         cfg = self.config
-        unused = None if wire.selection is not None else LayerMessage.blank(
-            wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size, cfg.torch_dtype, self.device)
-
-        def send_abort() -> None:
-            self.plane.finish(self._send_own(wire, CMD_ABORT, -1, None) if unused is None else
-                              self.plane.send_layer(unused, CMD_ABORT, -1, wire.step_id))
+        unused = blank_layer(wire, cfg, self.device)
         if not self.runs_ahead:
-            send_abort()
+            self.plane.finish(post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ABORT, -1, unused))
             return
         for _ in range(remaining):
-            send_abort()
+            self.plane.finish(post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ABORT, -1, unused))
             for i, r in enumerate(self.remote):
                 if r in wire.remote_rows:
                     rows = wire.remote_rows[r]

@@ -30,7 +30,7 @@ from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
-from cpattn.cluster.wire_select import OwnLayers
+from cpattn.cluster.wire_select import LayerReceiver
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
@@ -215,25 +215,20 @@ class ShardWorker(ShardKVPages, ShardGroups):
         With ``step_graphs`` ready for this step, the whole step is one graph replay (cluster/shard_graphs.py).
         """
         plan = planned.plan
-        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         while self._hang:
             time.sleep(0.05)
         if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
             return self._refuse_fenced(plane, plan, timings)
         a0 = time.perf_counter()
         graphed = not plan.selected and step_graphs is not None and step_graphs.prepare(planned)
-        own = self._own_layers(plan)
+        receiver = LayerReceiver(plane, plan, self.config, self.device)
         headers = []
         try:
             if graphed:
                 step_graphs.replay()
             else:
                 for layer in range(self.config.num_layers):
-                    if own is None:
-                        header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
-                        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
-                    else:
-                        header, q, k, v = own.unpack(plane.recv_own_layer(own.nbytes, self.device, ahead=True))
+                    header, q, k, v = receiver.receive(ahead=True)
                     headers.append(header)
                     out, lse = self.runner.run_layer(planned, layer, q, k, v)
                     if plan.num_rows:
@@ -257,33 +252,19 @@ class ShardWorker(ShardKVPages, ShardGroups):
         timings["outcome"] = "served"
         return timings
 
-    def _own_layers(self, plan: ShardStepPlan) -> OwnLayers | None:
-        """A selected step's receiver of this rank's own messages (cluster/wire_select.py); None: broadcast."""
-        if not plan.selected:
-            return None
-        cfg = self.config
-        return OwnLayers(plan, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, self.dtype, self.device)
-
     def _serve_layers(self, plane: DataPlane, planned: PlannedStep, timings: dict,
                       step_graphs: ShardStepGraphs | None = None) -> dict:
         if plane.backend == "nccl":
             return self._serve_layers_ahead(plane, planned, timings, step_graphs)
         plan = planned.plan
-        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         t = plan.num_tokens
-        own = self._own_layers(plan)
+        receiver = LayerReceiver(plane, plan, self.config, self.device)
         served: set[int] = set()
         while len(served) < self.config.num_layers:
             while self._hang:
                 time.sleep(0.05)
             w0 = time.perf_counter()
-            if own is None:
-                (command, layer, step_id, num_tokens), qkv = plane.recv_layer(t, hq + 2 * hk, d, self.dtype,
-                                                                              self.device)
-                q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
-            else:
-                header, q, k, v = own.unpack(plane.recv_own_layer(own.nbytes, self.device))
-                command, layer, step_id, num_tokens = header.tolist()
+            (command, layer, step_id, num_tokens), q, k, v = receiver.receive(ahead=False)
             if command == CMD_ABORT:
                 timings["outcome"] = "abort"
                 return timings

@@ -17,10 +17,13 @@ A rank with no row to compute and no K/V to store gets the header alone (32 byte
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from cpattn.cluster.data_plane import CMD_ATTEND
 from cpattn.cluster.step_planner import ShardStepPlan
-from cpattn.cluster.wire_messages import HEADER_BYTES
+from cpattn.cluster.wire_messages import HEADER_BYTES, LayerMessage
 
 
 def needed_kv_rows(plan: ShardStepPlan) -> torch.Tensor | None:
@@ -72,11 +75,23 @@ def select_wire(plans: list[ShardStepPlan], local: set[int] | tuple[int, ...], n
 
 def pack_own_message(header: torch.Tensor, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor,
                      q_rows: torch.Tensor | None, kv_rows: torch.Tensor | None) -> torch.Tensor:
-    """Rank 0: one rank's message, uint8 header | q[q_rows] | k[kv_rows] | v[kv_rows] (rows on q's device)."""
-    def part(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        x = x if rows is None else x.index_select(0, rows)
-        return x.contiguous().view(-1).view(torch.uint8)
-    return torch.cat([header.view(torch.uint8), part(q_TQD, q_rows), part(k_TKD, kv_rows), part(v_TKD, kv_rows)])
+    """Rank 0: one rank's message, uint8 header | q[q_rows] | k[kv_rows] | v[kv_rows] (rows on q's device), the
+    rows gathered straight into it (one pass over what travels)."""
+    (t, hq, d), hk = q_TQD.shape, k_TKD.shape[1]
+    nq, nkv = _count(q_rows, t), _count(kv_rows, t)
+    message = torch.empty(message_bytes(nq, nkv, hq, hk, d, q_TQD.element_size()), dtype=torch.uint8,
+                          device=q_TQD.device)
+    message[:HEADER_BYTES].copy_(header.view(torch.uint8))
+    payload = message[HEADER_BYTES:].view(q_TQD.dtype)
+    q_end, k_end = nq * hq * d, nq * hq * d + nkv * hk * d
+    for x, rows, part in ((q_TQD, q_rows, payload[:q_end].view(nq, hq, d)),
+                          (k_TKD, kv_rows, payload[q_end:k_end].view(nkv, hk, d)),
+                          (v_TKD, kv_rows, payload[k_end:].view(nkv, hk, d))):
+        if rows is None:
+            part.copy_(x)
+        else:
+            torch.index_select(x, 0, rows, out=part)
+    return message
 
 
 class OwnLayers:
@@ -130,3 +145,74 @@ def blank_own_message(header: torch.Tensor, q_rows: torch.Tensor | None, kv_rows
     message = torch.zeros(nbytes, dtype=torch.uint8, device=header.device)
     message[:HEADER_BYTES].copy_(header.view(torch.uint8))
     return message
+
+
+class LayerReceiver:
+    """A remote shard's side of one step: each layer's header and full-size q, k, v, from the broadcast or (a
+    selected step) from this rank's own message."""
+
+    def __init__(self, plane, plan: ShardStepPlan, config, device: torch.device):
+        self.plane, self.plan, self.device, self.dtype = plane, plan, device, config.torch_dtype
+        self.heads = (config.num_q_heads, config.num_kv_heads, config.head_size)
+        self.own = OwnLayers(plan, *self.heads, self.dtype, device) if plan.selected else None
+
+    def receive(self, ahead: bool) -> tuple[torch.Tensor | tuple, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(header, q, k, v): ``ahead`` (NCCL, layers enqueued ahead): the header int64 [4] on the device, read
+        once per step by the caller; else its four ints, read here (this rank's one host wait per layer)."""
+        hq, hk, d = self.heads
+        if self.own is not None:
+            header, q, k, v = self.own.unpack(self.plane.recv_own_layer(self.own.nbytes, self.device, ahead))
+            return (header if ahead else tuple(header.tolist())), q, k, v
+        if ahead:
+            header, qkv = self.plane.recv_layer_ahead(self.plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+        else:
+            header, qkv = self.plane.recv_layer(self.plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+        return header, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+
+
+def selection_of(remote_kv_rows: dict | None, remote_rows: dict, device: torch.device) -> dict | None:
+    """The client's StepWire.selection from a begin_step reply: remote rank -> (q rows, K/V rows) on ``device``."""
+    if remote_kv_rows is None:
+        return None
+    none = torch.zeros(0, dtype=torch.int64, device=device)   # a rank absent from remote_rows computes no row
+    return {r: (remote_rows.get(r, none), None if kv is None else kv.to(device)) for r, kv in remote_kv_rows.items()}
+
+
+def blank_layer(wire, config, device: torch.device) -> LayerMessage | None:
+    """What ``post_layer`` sends for ABORT: a broadcast's blank message, or None (each rank's own blank)."""
+    if wire.selection is not None:
+        return None
+    return LayerMessage.blank(wire.num_tokens, config.num_q_heads + 2 * config.num_kv_heads, config.head_size,
+                              config.torch_dtype, device)
+
+
+def post_layer(plane, wire, remote: list[int], config, device: torch.device, command: int, layer: int,
+               message: LayerMessage | None) -> list:
+    """One layer on its way to the remote shards (``plane`` None: none; ``device`` the client's), the client's
+    gateway.StepWire ``wire``:
+    one broadcast, or in a selected step each rank's own message (q|k|v is then never concatenated whole); a
+    layer's max |q|k|v| goes into ``wire.norms`` on the way (NaN policy). Returns the sends in flight, for
+    ``plane.finish`` once the client's own shards have computed; ``wire.sent_bytes`` counts them."""
+    norms = wire.norms if command == CMD_ATTEND else None
+    if wire.selection is None:
+        if plane is None and norms is None:
+            return []
+        packed = message.packed()   # q|k|v concatenated once, in the wire message itself
+        if norms is not None:
+            torch.linalg.vector_norm(packed, math.inf, dtype=torch.float32, out=norms[layer])
+        if plane is None:
+            return []
+        wire.sent_bytes += message.buffer.numel()
+        return plane.send_layer(message, command, layer, wire.step_id)
+    if norms is not None:
+        norms[layer] = torch.stack([torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
+                                    for x in (message.q, message.k, message.v)]).max()
+    header = layer_header(command, layer, wire.step_id, wire.num_tokens, device)
+    own = {}
+    for r, (q_rows, kv_rows) in wire.selection.items():
+        own[remote.index(r) + 1] = (
+            blank_own_message(header, q_rows, kv_rows, wire.num_tokens, config.num_q_heads, config.num_kv_heads,
+                              config.head_size, config.torch_dtype) if message is None else
+            pack_own_message(header, message.q, message.k, message.v, q_rows, kv_rows))
+    wire.sent_bytes += sum(m.numel() for m in own.values())
+    return plane.send_own_layers(own)
