@@ -131,3 +131,23 @@ def test_auto_keeps_the_broadcast_when_it_is_smaller():
     one = [plan(None, [0, -1, -1, 1]), plan(torch.tensor([1, 2]), [-1, 0, 1, -1])]
     assert select_wire(one, {0}, 4, 2, 8, 2, "auto", "nccl") and one[1].kv_rows.tolist() == [1, 2]
     assert not select_wire([plan(None, [0]), plan(None, [-1])], {0}, 4, 2, 8, 2, "broadcast", "nccl")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_disjoint_rows_merge_as_a_scatter_exactly(seed):
+    """A prefill's rows, each computed by one shard: the scatter equals the LSE merge bit for bit (float32)."""
+    from cpattn.attention.ops.merge import _merge_rows_lse
+    from cpattn.cluster.wire_select import rows_disjoint
+
+    gen = torch.Generator().manual_seed(seed)
+    t, n = 37, 3
+    owner = torch.randint(0, n, (t,), generator=gen)
+    parts = []
+    for rank in range(n):
+        rows = (owner == rank).nonzero().flatten()
+        parts.append((rows, torch.randn(rows.numel(), 4, 8, generator=gen), torch.randn(rows.numel(), 4, generator=gen)))
+    assert rows_disjoint([p[0] for p in parts], t)
+    got, want = _merge_rows_lse(parts, t, disjoint=True), _merge_rows_lse(parts, t)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not rows_disjoint([parts[0][0], parts[0][0]], t) and not rows_disjoint([parts[0][0]], t)
+    assert not rows_disjoint([None, parts[1][0]], t) and not rows_disjoint([p[0] for p in parts[:2]], t)

@@ -1,9 +1,9 @@
 """The client's side of the service: coordinator handle, data-plane group, local shards, epoch, rejoin.
 
 Legend: T tokens of a step, Q query heads, K kv heads, D head size, N partials.
-Per layer the gateway (rank 0 of its group) broadcasts q|k|v to the *remote* shards, computes the
-share of every *local* shard itself, receives each remote shard's computed rows and merges on its
-own device. A shard is local when it lives on this process's GPU: the client opens that shard's
+Per layer the gateway (rank 0 of its group) broadcasts q|k|v to the *remote* shards (a prefill step: each its
+own rows, cluster/wire_select.py), computes the share of every *local* shard itself while those sends are in
+flight, receives each remote shard's computed rows and merges on its own device. A shard is local when it lives on this process's GPU: the client opens that shard's
 KV cache once per connection by CUDA IPC and runs the shard's kernels in its own process, because
 two processes taking turns on one GPU pay a context switch each way (~320 us per round trip on an
 H200) and NCCL cannot put two ranks on one GPU. Remote shards talk NCCL when every rank has a GPU
@@ -38,7 +38,7 @@ from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.step_run import finish_deferred_commit
 from cpattn.cluster.wire_messages import LayerMessage
-from cpattn.cluster.wire_select import blank_layer, post_layer, selection_of
+from cpattn.cluster.wire_select import blank_layer, post_layer, rows_disjoint, selection_of
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
@@ -71,6 +71,8 @@ class StepWire:
     device (None: all T); each gets its own message instead of the broadcast. None: broadcast."""
     sent_bytes: int = 0
     """Bytes this client sent to remote shards in the step (layer messages; what travels, once per message)."""
+    disjoint: bool = False
+    """Every row is computed by exactly one shard (a prefill split across them): the merge is a scatter."""
 
     def saw_nonfinite(self) -> bool:
         return self.norms is not None and not bool(torch.isfinite(self.norms).all())
@@ -227,7 +229,9 @@ class Gateway(RunControl, GroupMembership):
         if self.device.type == "cuda" and cfg.nan_policy == "reject":
             norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
         wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms,
-                        selection=selection_of(info.remote_kv_rows, remote_rows, self.device))
+                        selection=selection_of(info.remote_kv_rows, remote_rows, self.device),
+                        disjoint=rows_disjoint([p.rows for p in info.local_plans.values()]
+                                               + list(info.remote_rows.values()), num_tokens))
         if self.client_graphs is not None and self.client_graphs.prepare(wire):
             wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
             wire.norms = None if norms is None else self.client_graphs.norms
@@ -266,7 +270,7 @@ class Gateway(RunControl, GroupMembership):
                 parts.append((rows, out, lse))
         if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
             return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
-        return merge_rows(parts, wire.num_tokens, sinks_Q)
+        return merge_rows(parts, wire.num_tokens, sinks_Q, wire.disjoint)
 
     def abort_wire(self, wire: StepWire, remaining: int) -> None:
         """Release the remote shards still waiting for this step's ``remaining`` layers (messages of a layer's size).

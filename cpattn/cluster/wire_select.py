@@ -216,3 +216,14 @@ def post_layer(plane, wire, remote: list[int], config, device: torch.device, com
             pack_own_message(header, message.q, message.k, message.v, q_rows, kv_rows))
     wire.sent_bytes += sum(m.numel() for m in own.values())
     return plane.send_own_layers(own)
+
+
+def rows_disjoint(row_sets: list[torch.Tensor | None], num_tokens: int) -> bool:
+    """Every one of ``num_tokens`` rows in exactly one of ``row_sets`` (CPU, each sorted and unique; None = all):
+    the client's merge is then a scatter (attention.ops.merge.merge_rows ``disjoint``). Once per step."""
+    if len(row_sets) < 2 or any(rows is None for rows in row_sets):
+        return False
+    counts = torch.zeros(num_tokens, dtype=torch.int64)
+    for rows in row_sets:
+        counts[rows] += 1
+    return bool((counts == 1).all())
