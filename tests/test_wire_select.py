@@ -81,15 +81,19 @@ def test_per_rank_prefill_is_exact_and_sends_only_what_ranks_need(services):
     svc = services[0]
     cfg, oracle, names = svc.config, Oracle(svc.config, seed=1), {}
     # A PCP prefill from empty; a short one (one rank computes it); a chunk onto context with a decode and a new
-    # sequence of two tokens (a rank that stores none of it and computes none: a header alone).
-    plan = [{"a": 41}, {"b": 5}, {"a": 23, "b": 1, "c": 2}]
+    # sequence of two tokens; two tokens alone (rank 2 stores none and computes none: it gets a header alone).
+    plan = [{"a": 41}, {"b": 5}, {"a": 23, "b": 1, "c": 2}, {"d": 2}]
     timings = _steps(svc, oracle, plan, names)
-    contexts = [[0], [0], [41, 5, 0]]
+    contexts = [[0], [0], [41, 5, 0], [0]]
     for request, ctx, t in zip(plan, contexts, timings):
         lens = list(request.values())
         per_layer = t["sent_bytes"] / cfg.num_layers
         assert per_layer == expected_sent_bytes(cfg, lens, ctx)
         assert per_layer < cfg.num_shards * broadcast_bytes(cfg, sum(lens))   # what gloo's broadcast sends
+    # {"d": 2}: rank 0 computes both rows and needs both keys, rank 1 stores token 1, rank 2 gets the header.
+    sizes = [message_bytes(q, kv, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, ITEMSIZE)
+             for q, kv in ((2, 2), (0, 1), (0, 0))]
+    assert sizes[2] == 32 and timings[-1]["sent_bytes"] / cfg.num_layers == sum(sizes)
 
 
 def test_interleave_16_replicas_and_a_decode_step_between(services):

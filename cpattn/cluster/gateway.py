@@ -70,7 +70,8 @@ class StepWire:
     """A selected step (cluster/wire_select.py): remote rank -> (its query rows, its K/V rows) on the gateway's
     device (None: all T); each gets its own message instead of the broadcast. None: broadcast."""
     sent_bytes: int = 0
-    """Bytes this client sent to remote shards in the step (layer messages; what travels, once per message)."""
+    """Bytes of layer messages this client sent to remote shards in the step, each counted once (a broadcast too;
+    not what a replayed client graph sends: cluster/client_graphs.py)."""
     disjoint: bool = False
     """Every row is computed by exactly one shard (a prefill split across them): the merge is a scatter."""
 
