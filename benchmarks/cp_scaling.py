@@ -277,9 +277,9 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
                 step.attend(layer, q, k, v)
         sync()
         wall = time.perf_counter() - t0
+        sent.append(step.timings["sent_bytes"])
         plans.append(step.timings["plan_s"])   # every step: a decode run's first step carries its steps' plans
         begins.append(step.timings["begin_s"])
-        sent.append(step.timings.get("sent_bytes", 0))
         if rep >= 2:
             walls.append(wall)
         if not case.context:
