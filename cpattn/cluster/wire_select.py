@@ -221,9 +221,6 @@ def post_layer(plane, wire, remote: list[int], config, device: torch.device, com
 def rows_disjoint(row_sets: list[torch.Tensor | None], num_tokens: int) -> bool:
     """Every one of ``num_tokens`` rows in exactly one of ``row_sets`` (CPU, each sorted and unique; None = all):
     the client's merge is then a scatter (attention.ops.merge.merge_rows ``disjoint``). Once per step."""
-    if len(row_sets) < 2 or any(rows is None for rows in row_sets):
+    if len(row_sets) < 2 or any(rows is None for rows in row_sets) or sum(r.numel() for r in row_sets) != num_tokens:
         return False
-    counts = torch.zeros(num_tokens, dtype=torch.int64)
-    for rows in row_sets:
-        counts[rows] += 1
-    return bool((counts == 1).all())
+    return bool((torch.bincount(torch.cat(row_sets), minlength=num_tokens) == 1).all())
