@@ -197,7 +197,7 @@ class Planned:
 
 
 def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float,
-                  one_service: bool = False) -> list[Planned]:
+                  one_service: bool = False, prefill_wire: str = "auto") -> list[Planned]:
     """One service of ``gpus`` shards (one GPU each) per case, sized for it (``one_service``: one for all the
     cases, as --smoke does so that it runs in seconds)."""
     import cpattn
@@ -220,7 +220,8 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
                                    shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
                                    # one step of the case, whatever its size (the default caps steps at 16K)
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
-                                   kv_cache_dtype=group[0].kv, sliding_window=group[0].window)
+                                   kv_cache_dtype=group[0].kv, sliding_window=group[0].window,
+                                   prefill_wire=prefill_wire)
         planned.append(Planned(gpus, group, layers, backends, cfg))
     return planned
 
@@ -273,7 +274,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         seqs = [svc.add_sequence() for _ in range(case.batch)]
         for i, s in enumerate(seqs):
             svc.fill_synthetic(s, case.context, seed=i)
-    walls, plans, begins = [], [], []
+    walls, plans, begins, sent = [], [], [], []
     for rep in range(repeats + 2):          # two warm-up steps: kernel JIT, NCCL communicators
         if not case.context:
             seqs = [svc.add_sequence() for _ in range(case.batch)]
@@ -284,6 +285,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
                 step.attend(layer, q, k, v)
         sync()
         wall = time.perf_counter() - t0
+        sent.append(step.timings["sent_bytes"])
         plans.append(step.timings["plan_s"])   # every step: a decode run's first step carries its steps' plans
         if rep >= 2:        # a warm-up step's opening compiles and captures: not what a step pays
             walls.append(wall)
@@ -304,17 +306,21 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "plan_ms_per_step": 1e3 * statistics.fmean(plans),
             # The caller's wall time to open a step (issue 18's "plan on the client's path"): the run's begin_step
             # round trip on its first step, the in-process shards' plans on every step.
-            "begin_ms_per_step": 1e3 * statistics.fmean(begins)}
+            "begin_ms_per_step": 1e3 * statistics.fmean(begins),
+            # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
+            "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
+            "prefill_wire": svc.config.prefill_wire}
 
 
 def _fmt(r: dict) -> str:
     return (f"{r['case']:>20} {r['gpus']:>4} {r['layers']:>6} {r['data_plane']:>6} {r['plan_ms_per_step']:>9.2f} "
             f"{r['begin_ms_per_step']:>10.2f} {r['ms_per_layer']:>9.3f} {r.get('kernel_ms', float('nan')):>9.3f} "
-            f"{r.get('kernel_graph_ms', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f}")
+            f"{r.get('kernel_graph_ms', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f} "
+            f"{r.get('sent_mb_per_layer', float('nan')):>8.1f}")
 
 
 HEADER = (f"{'case':>20} {'gpus':>4} {'layers':>6} {'wire':>6} {'plan/step':>9} {'begin/step':>10} {'ms/layer':>9} "
-          f"{'kernel':>9} {'graphed':>9} {'x kern':>7}")
+          f"{'kernel':>9} {'graphed':>9} {'x kern':>7} {'MB sent':>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kv-budget-gb", type=float, default=96.0, help="KV per GPU for the layers of one service")
     parser.add_argument("--json", default="benchmarks/results/cp_scaling.json")
+    parser.add_argument("--prefill-wire", default="auto", choices=("auto", "broadcast", "per_rank"),
+                        help="ServiceConfig.prefill_wire: how a prefill's q|k|v reach the remote shards")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (TORCH backend, gloo), 1 and 2 shards, 2 layers: checks that "
                              "every path of the benchmark still runs (the test suite runs it)")
@@ -354,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels = {c.name: (kernel_ms(c, usable_backend(c.backend, c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
                         else (float("nan"), float("nan"))) for c in cases}
     planned = [p for gpus in map(int, args.gpus.split(","))
-               for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke)]
+               for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke,
+                                      prefill_wire=args.prefill_wire)]
     rows = []
     for row in service_rows(planned, args.repeats, concurrent_starts=args.smoke):
         row["kernel_ms"], row["kernel_graph_ms"] = kernels[row["case"]]

@@ -82,6 +82,10 @@ class Placement(FieldGroup):
     """torch.distributed backend between a client and the shards it reaches over the wire: auto = NCCL
     when the client and each of those shards have a GPU of their own (tensors stay on the GPUs), gloo
     otherwise (CPU, or shards sharing a GPU: CUDA tensors are staged through the host)."""
+    prefill_wire: Literal["auto", "broadcast", "per_rank"] = "auto"
+    """How a prefill step's q|k|v reach the remote shards per layer: per_rank sends each only the query rows it
+    computes and the new K/V it stores or attends (point to point), broadcast sends every one the whole q|k|v;
+    auto takes per_rank when the client sends fewer bytes that way (with one remote shard, always)."""
     data_plane_interface: str | None = None
     """Network interface the data plane binds to on every node (e.g. eth1), for machines with several networks;
     unset: each process binds to its node IP as Ray knows it (`ray start --node-ip-address`), never to what the

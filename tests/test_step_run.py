@@ -32,6 +32,7 @@ RECOVERED = EndStepReply(recovered=True, failure="shard 1 died")
 class FakeWire:
     def __init__(self, step_id: int, nonfinite: bool):
         self.step_id, self.norms, self._nonfinite = step_id, None, nonfinite
+        self.sent_bytes = 0
 
     def saw_nonfinite(self) -> bool:
         return self._nonfinite

@@ -136,10 +136,13 @@ def make_dcp_context_metadata(query_lens: list[int], context_lens: list[int], lo
     local_ctx = dcp_local_seq_lens(c, world_size, rank, interleave)
     positions = torch.arange(int(qsl[-1])) - qsl[:-1].repeat_interleave(q) + c.repeat_interleave(q)
     owned = dcp_owner_rank(positions, world_size, interleave) == rank
-    local_pos = torch.where(owned, dcp_local_position(positions, world_size, interleave),
-                            torch.full_like(positions, PAD_SLOT_ID))
+    # Slots of the tokens this rank owns only (1/N of a prefill's), the rest PAD_SLOT_ID: a 32K prefill's plan
+    # computes each token's slot once across the ranks, not once per rank.
+    mine = owned.nonzero().flatten()
     req_of_tok = torch.repeat_interleave(torch.arange(q.numel()), q)
-    slots = compute_slot_mapping(local_block_table_BW, local_pos, req_of_tok, block_size)
+    slots = torch.full_like(positions, PAD_SLOT_ID)
+    slots[mine] = compute_slot_mapping(local_block_table_BW, dcp_local_position(positions[mine], world_size, interleave),
+                                       req_of_tok[mine], block_size)
     seq_lens = local_ctx
     if fold_decodes:
         # A decode's one token is row qsl[r]; the rank owning it reads it back from its cache.

@@ -199,14 +199,15 @@ class Coordinator(SequenceMethods):
     # Steps ----------------------------------------------------------------------------------------
     def begin_step(self, credential: str, group_name: str, request: dict, epoch: int | None = None,
                    local_ranks: list[int] | tuple[int, ...] = (), held: dict | None = None,
-                   ahead: int = 1) -> BeginStepReply | Rejoin:
+                   ahead: int = 1, wire: str | None = None) -> BeginStepReply | Rejoin:
         """Validate, allocate, plan once, and hand each remote shard its plan. Nothing changes if it raises.
 
         ``local_ranks``: shards on the client's GPU, whose share the client computes itself on their
         KV cache (opened by CUDA IPC); their plans come back in the reply instead of going to them, with
         block tables as deltas against ``held`` ({seq_id: {rank: (version, pages)}}, cluster/page_delta.py).
         ``ahead`` > 1 on a decode-only request plans a decode run of up to that many steps (cluster/decode_run.py):
-        the reply's ``later`` holds the plans of its steps after the first.
+        the reply's ``later`` holds the plans of its steps after the first. ``wire``: the client's data-plane
+        backend (nccl, gloo; None without remote shards), which decides how a prefill's layers travel.
         A client whose data-plane group predates a shard replacement gets ``Rejoin(epoch)`` back
         (nothing planned) and rebuilds its group first.
         """
@@ -225,7 +226,7 @@ class Coordinator(SequenceMethods):
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
                 raise
-            step, runs = self.ledger.open(admitted, local, self.gen)
+            step, runs = self.ledger.open(admitted, local, self.gen, wire if wire in ("nccl", "gloo") else None)
             shards = list(self.shard_set.handles)
         step.refs = [h.run_step.remote(group_name, *decode_run.shard_plans(runs, rank))
                      for rank, h in enumerate(shards) if rank not in local]

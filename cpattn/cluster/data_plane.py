@@ -11,6 +11,8 @@ Wire protocol per layer: one broadcast out, one point-to-point message back per 
 in cluster/wire_messages.py: LayerMessage, PartialMessage).
   message  uint8 [32 + T (Hq + 2 Hk) D itemsize] = int64 header (command, layer, step_id, T) | q|k|v
            broadcast from rank 0; an ABORT message has the same size, its payload unused
+           A selected prefill step (cluster/wire_select.py) sends each rank its own message instead, point to
+           point: header | q [Rq, Hq, D] | k, v [Rkv, Hk, D], only the rows it computes and the new K/V it needs
   partial  uint8 [R (Hq D itemsize + Hq lse_itemsize) + 8] = out [R, Hq, D] in the activation dtype |
            natural-log lse [R, Hq] float32 (float64 for float64) | int64 tag (step, layer), rank r ->
            rank 0, only for the R rows rank r computed (ShardStepPlan.rows); no rows: no message.
@@ -154,6 +156,12 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
 
 
+def _from_rank_0() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
 class DataPlane:
     """Broadcast/gather over one group; stages CUDA tensors through the CPU when the backend is gloo."""
 
@@ -173,16 +181,38 @@ class DataPlane:
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place from rank 0; returns the tensor on its original device."""
         wire = self._wire(tensor).contiguous()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self._run(self.group.broadcast([wire], opts))
+        self._run(self.group.broadcast([wire], _from_rank_0()))
         if wire is not tensor:
             tensor.copy_(wire)
         return tensor
 
-    def send_layer(self, message: LayerMessage, command: int, layer: int, step_id: int) -> None:
-        """Rank 0: one broadcast carrying the header and the layer's q|k|v, packed once in the message itself."""
-        self.broadcast(message.stamped(command, layer, step_id))
+    def send_layer(self, message: LayerMessage, command: int, layer: int, step_id: int) -> list:
+        """Rank 0: one broadcast carrying the header and the layer's q|k|v, packed once in the message itself.
+        Returns it in flight: the caller computes its own share meanwhile, then ``finish``es it."""
+        wire = self._wire(message.stamped(command, layer, step_id)).contiguous()
+        return [(self.group.broadcast([wire], _from_rank_0()), wire)]
+
+    def send_own_layers(self, messages: dict[int, torch.Tensor]) -> list:
+        """Rank 0, a selected step (cluster/wire_select.py): each group rank its own message, point to point, every
+        send posted before any is waited for. Returns them in flight, as ``send_layer`` does."""
+        pending = []
+        for dst, message in messages.items():
+            wire = self._wire(message)
+            pending.append((self.group.send([wire], dst, 0), wire))
+        return pending
+
+    def finish(self, pending: list) -> None:
+        """The sends of ``send_layer`` / ``send_own_layers`` done (gloo: sent; NCCL: our stream ordered after them)."""
+        for work, _wire in pending:
+            self._run(work)
+
+    def recv_own_layer(self, nbytes: int, device: torch.device, ahead: bool = False) -> torch.Tensor:
+        """Other ranks, a selected step: this rank's message of ``nbytes`` (wire_select.OwnLayers unpacks it) on
+        ``device``. ``ahead`` (NCCL): nothing here waits on the host, as recv_layer_ahead."""
+        wire_device = device if self.backend == "nccl" else torch.device("cpu")
+        message = torch.empty(nbytes, dtype=torch.uint8, device=wire_device)
+        self._run(self.group.recv([message], 0, 0))
+        return message.to(device, non_blocking=True)
 
     def recv_layer(self, num_tokens: int, num_heads: int, head_size: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[tuple[int, int, int, int], torch.Tensor]:

@@ -92,8 +92,11 @@ def client_steps(runs: list[list[ShardStepPlan]], step_ids: list[int],
     """What begin_step tells the client of each step, (the first, the later ones): its in-process shards' plans
     (without secret or block table) and the rows each remote shard sends back."""
     def of(j: int) -> StepPlans:
-        return StepPlans(step_ids[j], {r: for_client(runs[j][r]) for r in local},
-                         {r: p.rows for r, p in enumerate(runs[j]) if r not in local and p.num_rows})
+        plans = runs[j]
+        return StepPlans(step_ids[j], {r: for_client(plans[r]) for r in local},
+                         {r: p.rows for r, p in enumerate(plans) if r not in local and p.num_rows},
+                         remote_kv_rows={r: p.kv_rows for r, p in enumerate(plans) if r not in local}
+                         if plans[0].selected else None)
     if isinstance(runs, RunPlans):
         return of(0), RunSteps(client_step, [r.for_client() for r in runs.ranks], 1, tuple(local))
     return of(0), [of(j) for j in range(1, len(runs))]

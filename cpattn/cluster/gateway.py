@@ -1,9 +1,9 @@
 """The client's side of the service: coordinator handle, data-plane group, local shards, epoch, rejoin.
 
 Legend: T tokens of a step, Q query heads, K kv heads, D head size, N partials.
-Per layer the gateway (rank 0 of its group) broadcasts q|k|v to the *remote* shards, computes the
-share of every *local* shard itself, receives each remote shard's computed rows and merges on its
-own device. A shard is local when it lives on this process's GPU: the client opens that shard's
+Per layer the gateway (rank 0 of its group) broadcasts q|k|v to the *remote* shards (a prefill step: each its
+own rows, cluster/wire_select.py), computes the share of every *local* shard itself while those sends are in
+flight, receives each remote shard's computed rows and merges on its own device. A shard is local when it lives on this process's GPU: the client opens that shard's
 KV cache once per connection by CUDA IPC and runs the shard's kernels in its own process, because
 two processes taking turns on one GPU pay a context switch each way (~320 us per round trip on an
 H200) and NCCL cannot put two ranks on one GPU. Remote shards talk NCCL when every rank has a GPU
@@ -17,7 +17,6 @@ by the next call this client makes, so a steady decode loop pays one Ray round t
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import weakref
@@ -39,6 +38,7 @@ from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.step_run import finish_deferred_commit
 from cpattn.cluster.wire_messages import LayerMessage
+from cpattn.cluster.wire_select import blank_layer, post_layer, rows_disjoint, selection_of
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
@@ -66,6 +66,14 @@ class StepWire:
     """Per received partial: a 0-dim bool, True if it did not arrive whole (read once, at the end)."""
     graphs: ClientLayerGraphs | None = None
     """Set when every layer of this step replays the client's captured graph (cluster.client_graphs)."""
+    selection: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+    """A selected step (cluster/wire_select.py): remote rank -> (its query rows, its K/V rows) on the gateway's
+    device (None: all T); each gets its own message instead of the broadcast. None: broadcast."""
+    sent_bytes: int = 0
+    """Bytes of layer messages this client sent to remote shards in the step, each counted once (a broadcast too;
+    not what a replayed client graph sends: cluster/client_graphs.py)."""
+    disjoint: bool = False
+    """Every row is computed by exactly one shard (a prefill split across them): the merge is a scatter."""
 
     def saw_nonfinite(self) -> bool:
         return self.norms is not None and not bool(torch.isfinite(self.norms).all())
@@ -197,6 +205,7 @@ class Gateway(RunControl, GroupMembership):
         held = self.pages.held(list(request), sorted(self.local)) if self.local else None
         ahead = min(cfg.decode_run_steps, self.run_length) if cfg.async_commit and not cfg.detached else 1
         info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held, ahead,
+                         None if self.plane is None else self.plane.backend,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
         if isinstance(info, Rejoin):
             return None
@@ -220,7 +229,10 @@ class Gateway(RunControl, GroupMembership):
         norms = None
         if self.device.type == "cuda" and cfg.nan_policy == "reject":
             norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=self.device)
-        wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms)
+        wire = StepWire(info.step_id, num_tokens, local, remote_rows, norms,
+                        selection=selection_of(info.remote_kv_rows, remote_rows, self.device),
+                        disjoint=rows_disjoint([p.rows for p in info.local_plans.values()]
+                                               + list(info.remote_rows.values()), num_tokens))
         if self.client_graphs is not None and self.client_graphs.prepare(wire):
             wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
             wire.norms = None if norms is None else self.client_graphs.norms
@@ -243,13 +255,11 @@ class Gateway(RunControl, GroupMembership):
         q, k, v = message.q, message.k, message.v
         if wire.graphs is not None and sinks_Q is None:
             return wire.graphs.run(layer, q, k, v)
-        if self.plane is not None or wire.norms is not None:
-            packed = message.packed()   # q|k|v concatenated once, in the wire message itself
-            if wire.norms is not None:
-                torch.linalg.vector_norm(packed, math.inf, dtype=torch.float32, out=wire.norms[layer])
-            if self.plane is not None:
-                self.plane.send_layer(message, CMD_ATTEND, layer, wire.step_id)
+        sending = post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ATTEND, layer, message)
+        # The in-process shards compute while the sends are in flight (gloo: its threads; NCCL: its stream).
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
+        if sending:
+            self.plane.finish(sending)
         dtype, lse_dtype = cfg.torch_dtype, lse_wire_dtype(cfg.torch_dtype)
         for i, r in enumerate(self.remote):
             if r in wire.remote_rows:
@@ -261,7 +271,7 @@ class Gateway(RunControl, GroupMembership):
                 parts.append((rows, out, lse))
         if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
             return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
-        return merge_rows(parts, wire.num_tokens, sinks_Q)
+        return merge_rows(parts, wire.num_tokens, sinks_Q, wire.disjoint)
 
     def abort_wire(self, wire: StepWire, remaining: int) -> None:
         """Release the remote shards still waiting for this step's ``remaining`` layers (messages of a layer's size).
@@ -273,13 +283,12 @@ class Gateway(RunControl, GroupMembership):
         if self.plane is None:
             return
         cfg = self.config
-        unused = LayerMessage.blank(wire.num_tokens, cfg.num_q_heads + 2 * cfg.num_kv_heads, cfg.head_size,
-                                    cfg.torch_dtype, self.device)
+        unused = blank_layer(wire, cfg, self.device)
         if not self.runs_ahead:
-            self.plane.send_layer(unused, CMD_ABORT, -1, wire.step_id)
+            self.plane.finish(post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ABORT, -1, unused))
             return
         for _ in range(remaining):
-            self.plane.send_layer(unused, CMD_ABORT, -1, wire.step_id)
+            self.plane.finish(post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ABORT, -1, unused))
             for i, r in enumerate(self.remote):
                 if r in wire.remote_rows:
                     rows = wire.remote_rows[r]

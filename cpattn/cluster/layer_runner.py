@@ -48,6 +48,10 @@ class PlannedStep:
     runner: "ShardLayerRunner | None" = None
     """The runner that planned the step and runs its layers: the prefill backend's for a prefill step (any
     sequence with more than one new token), else the runner asked (the decode backend's)."""
+    new_tokens_only: torch.Tensor | None = None
+    """(T,) int64 slot mapping on the device, set when no query of the step has a key on this shard from before it
+    (a prefill from empty): each layer writes its K/V and runs the causal pieces alone, without a context pass over
+    all T queries (its out 0 / lse -inf would change nothing in the merge) or the merge itself."""
 
 
 def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -128,8 +132,11 @@ class ShardLayerRunner:
             slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
             scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
         copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
+        new_only = None
+        if graphs is None and prefix_pass is None and md.max_seq_len == 0 and plan.causal_pieces.numel():
+            new_only = md.slot_mapping.to(self.device)
         return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
-                           self)
+                           self, new_only)
 
     def _to_device(self, md):
         """``md.to(device)`` with the block table's device copy kept while the next step brings the same table
@@ -168,6 +175,8 @@ class ShardLayerRunner:
                 step.scale_writes.grow(self.kv_caches[layer], scale, k_TKD, v_TKD, self.kv_format)
         if step.replica_slots is not None:
             write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.replica_slots, scale)
+        if step.new_tokens_only is not None:
+            return self._new_tokens_only(step, layer, q_TQD, k_TKD, v_TKD, scale)
         kv_cache = kernel_kv_view(self.kv_caches[layer], self.config.block_size, self.kernel_block_size)
         extra = {} if scale is None else {"kv_scale": scale}
         out, lse = self.impl.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, step.attn_metadata, **extra)
@@ -178,6 +187,16 @@ class ShardLayerRunner:
             new_out, new_lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
             out, lse = merge_partials(torch.stack([out, new_out.to(out.dtype)]),
                                       torch.stack([lse, new_lse.to(self.lse_dtype)]))
+        if step.rows is not None:
+            out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
+        return out.to(self.dtype), lse.to(self.lse_dtype)
+
+    def _new_tokens_only(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
+                         v_TKD: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with no context on this shard: the KV update (the backends' own, which the replica writes use
+        too; slots are token addresses under any page size), then the causal pieces, the computed rows only."""
+        write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.new_tokens_only, scale)
+        out, lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
         if step.rows is not None:
             out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
         return out.to(self.dtype), lse.to(self.lse_dtype)

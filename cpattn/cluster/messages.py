@@ -70,6 +70,9 @@ class StepPlans(TensorsAsArrays):
     block tables as deltas, ``BeginStepReply.local_pages``)."""
     remote_rows: dict[int, torch.Tensor | None]
     """Per remote shard with rows to send: which query rows it computes (None: all)."""
+    remote_kv_rows: dict[int, torch.Tensor | None] | None = dataclasses.field(default=None, kw_only=True)
+    """A selected step (cluster/wire_select.py): per remote shard, the new tokens whose K/V it gets (None: all);
+    its query rows are ``remote_rows`` (a shard absent there gets none). None: the step's layers are broadcast."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
+from cpattn.cluster.wire_select import LayerReceiver
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
@@ -214,22 +215,22 @@ class ShardWorker(ShardKVPages, ShardGroups):
         With ``step_graphs`` ready for this step, the whole step is one graph replay (cluster/shard_graphs.py).
         """
         plan = planned.plan
-        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         while self._hang:
             time.sleep(0.05)
         if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
             return self._refuse_fenced(plane, plan, timings)
         a0 = time.perf_counter()
-        graphed = step_graphs is not None and step_graphs.prepare(planned)
+        graphed = not plan.selected and step_graphs is not None and step_graphs.prepare(planned)
+        receiver = LayerReceiver(plane, plan, self.config, self.device)
         headers = []
         try:
             if graphed:
                 step_graphs.replay()
             else:
                 for layer in range(self.config.num_layers):
-                    header, qkv = plane.recv_layer_ahead(plan.num_tokens, hq + 2 * hk, d, self.dtype, self.device)
+                    header, q, k, v = receiver.receive(ahead=True)
                     headers.append(header)
-                    out, lse = self.runner.run_layer(planned, layer, qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:])
+                    out, lse = self.runner.run_layer(planned, layer, q, k, v)
                     if plan.num_rows:
                         plane.send_partial(out, lse, partial_tag(plan.step_id, layer))
         finally:
@@ -256,14 +257,14 @@ class ShardWorker(ShardKVPages, ShardGroups):
         if plane.backend == "nccl":
             return self._serve_layers_ahead(plane, planned, timings, step_graphs)
         plan = planned.plan
-        hq, hk, d = self.config.num_q_heads, self.config.num_kv_heads, self.config.head_size
         t = plan.num_tokens
+        receiver = LayerReceiver(plane, plan, self.config, self.device)
         served: set[int] = set()
         while len(served) < self.config.num_layers:
             while self._hang:
                 time.sleep(0.05)
             w0 = time.perf_counter()
-            (command, layer, step_id, num_tokens), qkv = plane.recv_layer(t, hq + 2 * hk, d, self.dtype, self.device)
+            (command, layer, step_id, num_tokens), q, k, v = receiver.receive(ahead=False)
             if command == CMD_ABORT:
                 timings["outcome"] = "abort"
                 return timings
@@ -274,7 +275,6 @@ class ShardWorker(ShardKVPages, ShardGroups):
             if not self._fence.enter(plan.incarnation):   # fencing: write nothing past a coordinator restart
                 return self._refuse_fenced(plane, plan, timings)
             a0 = time.perf_counter()
-            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
             out, lse = self.runner.run_layer(planned, layer, q, k, v)
             self._fence.leave()   # fencing: this layer's KV writes are launched (fence() waits for the device)
             a1 = time.perf_counter()

@@ -18,6 +18,7 @@ from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.open_steps import OpenStep, OpenSteps, check_step_size
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
 from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step
+from cpattn.cluster.wire_select import select_wire
 from cpattn.config import ServiceConfig
 from cpattn.errors import InvalidRequestError, ShardLostError
 from cpattn.kvstore.sharded_allocator import Growth
@@ -57,9 +58,11 @@ class StepLedger:
         growth = self.table.grow(seqs, [s.length + t for s, t in zip(seqs, request.values())])   # raises first
         return Admitted(client_id, seqs, request, num_steps, growth)
 
-    def open(self, step: Admitted, local: tuple[int, ...], gen: Generations) -> tuple[OpenStep, list[list]]:
+    def open(self, step: Admitted, local: tuple[int, ...], gen: Generations, wire: str | None = None
+             ) -> tuple[OpenStep, list[list]]:
         """Grow a run's later steps, plan every step once, and hold the step open: (the step, each step's
-        plans per rank). Every growth is undone if planning fails."""
+        plans per rank). Every growth is undone if planning fails. ``wire``: the client's data-plane backend
+        (what a prefill step's layers cost it: cluster/wire_select.py)."""
         seqs, new_tokens = step.seqs, list(step.request.values())
         later_growths = decode_run.grow_run(self.table, step.client_id, seqs, step.num_steps)
         step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
@@ -67,6 +70,11 @@ class StepLedger:
         try:
             runs = decode_run.plan_steps(self.table.allocator, seqs, lengths, new_tokens, step_ids, self.config,
                                          gen.incarnation, gen.shard_secret, [step.growth, *later_growths])
+            if any(t > 1 for t in new_tokens):   # a prefill: each remote rank may get only the rows it needs
+                cfg = self.config
+                for plans in runs:
+                    select_wire(plans, local, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size,
+                                cfg.torch_dtype.itemsize, cfg.prefill_wire, wire)
         except BaseException:
             for g in reversed([step.growth, *later_growths]):
                 self.table.undo(g, [s.seq_id for s in seqs], step_ids[0])

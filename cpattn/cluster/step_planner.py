@@ -35,6 +35,11 @@ class ShardStepPlan(TensorsAsArrays):
     rows: torch.Tensor | None = None
     """(R,) int64 sorted: the query rows this shard computes (local context or a causal piece); None = all T.
     Only these rows travel back to the client, so a prefill rank returns its share, not [T, Hq, D]."""
+    selected: bool = False
+    """The step's layers come to each remote rank as its own message of only the rows it needs, not one broadcast
+    (cluster/wire_select.py: q ``rows``, new K/V ``kv_rows``); the same on every rank of the step."""
+    kv_rows: torch.Tensor | None = None
+    """(Rkv,) int64 sorted, a selected step's remote rank: the new tokens whose K/V it receives; None = all T."""
 
     @property
     def num_rows(self) -> int:

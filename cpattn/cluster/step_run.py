@@ -69,7 +69,7 @@ class StepRun:
         self.sync_commit = sync_commit or not cfg.async_commit or cfg.detached
         self.replay: Replay | None = [] if cfg.kv_replicas == 2 else None
         self.recoveries = 0
-        self.timings = {"plan_s": 0.0, "begin_s": 0.0, "data_plane_s": 0.0}
+        self.timings = {"plan_s": 0.0, "begin_s": 0.0, "data_plane_s": 0.0, "sent_bytes": 0}
 
     # Opening ----------------------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -141,6 +141,7 @@ class StepRun:
         t0 = time.perf_counter()
         out = self.host.attend(self.wire, layer, message, sinks)
         self.timings["data_plane_s"] += time.perf_counter() - t0
+        self.timings["sent_bytes"] = self.wire.sent_bytes   # to remote shards, so far (a replay's wire: its own)
         return out
 
     # Recovering -------------------------------------------------------------------------------------------------

@@ -88,17 +88,27 @@ def _triton_available() -> bool:
 
 
 def merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]], num_tokens: int,
-               sinks_Q: torch.Tensor | None = None) -> torch.Tensor:
+               sinks_Q: torch.Tensor | None = None, disjoint: bool = False) -> torch.Tensor:
     """Merge partials that each cover some rows (None = all) into out [T, Q, D]; every row is in one or more.
-    Sink logits (``sinks_Q``), when given, enter the merged state once."""
+    Sink logits (``sinks_Q``), when given, enter the merged state once. ``disjoint``: every row is in exactly one
+    part (a prefill split across shards), so the merge is a scatter: merging with only -inf partials would give
+    each row its one partial unchanged, at the cost of N full-size copies and a pass over them."""
     if sinks_Q is not None:
-        return apply_sinks(*_merge_rows_lse(parts, num_tokens), sinks_Q)[0]
-    return _merge_rows_lse(parts, num_tokens)[0]
+        return apply_sinks(*_merge_rows_lse(parts, num_tokens, disjoint), sinks_Q)[0]
+    return _merge_rows_lse(parts, num_tokens, disjoint)[0]
 
 
-def _merge_rows_lse(parts, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_rows_lse(parts, num_tokens: int, disjoint: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 1 and parts[0][0] is None:
         return parts[0][1], parts[0][2]
+    if disjoint:
+        _, first, first_lse = parts[0]
+        out = first.new_empty((num_tokens,) + tuple(first.shape[1:]))
+        lse = first_lse.new_empty((num_tokens,) + tuple(first_lse.shape[1:]))
+        for rows, part_out, part_lse in parts:
+            out.index_copy_(0, rows, part_out.to(out.dtype))
+            lse.index_copy_(0, rows, part_lse.to(lse.dtype))
+        return out, lse
     _, first, first_lse = parts[0]
     if all(rows is None for rows, _, _ in parts):
         return merge_partials(torch.stack([o for _, o, _ in parts]), torch.stack([l for _, _, l in parts]))
