@@ -263,8 +263,17 @@ def _serve_use_and_stop(name: str, gcs: str, env: dict) -> None:
 
     stopped = _run([*CLI, "stop", "--address", gcs, "--name", name], env=env)
     assert stopped.returncode == 0, stopped.stderr
-    gone = _run([*CLI, "status", "--address", gcs, "--name", name], env=env)
+    # Python's import report on stderr (nothing else changes): a service that is not there is said without
+    # importing torch (a found one still imports it: Ray loads the coordinator's module for the actor handle).
+    gone = _run([*CLI, "status", "--address", gcs, "--name", name], env=dict(env, PYTHONPROFILEIMPORTTIME="1"))
     assert gone.returncode == 1 and f"no cpattn service named {name!r}" in gone.stderr
+    assert not _imported(gone, "torch"), "cpattn status imported torch"
+
+
+def _imported(result: subprocess.CompletedProcess, module: str) -> bool:
+    """Whether a command run with PYTHONPROFILEIMPORTTIME=1 imported ``module`` (its stderr's import report)."""
+    return any(line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == module
+               for line in result.stderr.splitlines())
 
 
 def test_readme_cluster_walkthrough(ray_head):

@@ -32,19 +32,55 @@ def _load_job_module():
     return module
 
 
-def test_job_matches_eager_attention(tmp_path):
-    prompt_len, chunk, new, batch, seed = 300, 64, 10, 2, 3
-    out = tmp_path / "result.json"
-    # A subprocess: the job starts its own embedded Ray, as `python examples/long_context_job.py` does.
-    result = subprocess.run(
-        [sys.executable, str(JOB), "--prompt-len", str(prompt_len), "--chunk-size", str(chunk), "--max-new-tokens",
-         str(new), "--batch", str(batch), "--seed", str(seed), "--shards", "3", "--block-size", "16",
-         "--pcp-min-tokens", "48", "--json-out", str(out)],
-        capture_output=True, text=True, timeout=150, cwd=ROOT,
-        env=_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tokens/s" in result.stdout and "KV MiB" in result.stdout   # the summary table
-    job = json.loads(out.read_text())
+# The two runs below, as `python examples/long_context_job.py ...` (each starts its own embedded Ray).
+PLAIN = dict(prompt_len=300, chunk=64, new=10, batch=2, seed=3)
+QUESTIONS = dict(prompt_len=70, chunk=32, new=4, questions=3, question_len=5, seed=4)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Both runs started at once, side by side (each is mostly its imports and its Ray's start, which leave
+    the second core idle); each test waits for its own. {name: (process, its --json-out path)}."""
+    out = tmp_path_factory.mktemp("jobs")
+    argv = {
+        "plain": ["--prompt-len", str(PLAIN["prompt_len"]), "--chunk-size", str(PLAIN["chunk"]), "--max-new-tokens",
+                  str(PLAIN["new"]), "--batch", str(PLAIN["batch"]), "--seed", str(PLAIN["seed"]), "--shards", "3",
+                  "--block-size", "16", "--pcp-min-tokens", "48"],
+        "questions": ["--prompt-len", str(QUESTIONS["prompt_len"]), "--chunk-size", str(QUESTIONS["chunk"]),
+                      "--max-new-tokens", str(QUESTIONS["new"]), "--questions", str(QUESTIONS["questions"]),
+                      "--question-len", str(QUESTIONS["question_len"]), "--seed", str(QUESTIONS["seed"]),
+                      "--shards", "3", "--block-size", "16", "--no-progress"],
+    }
+    procs = {}
+    for name, args in argv.items():   # output to files: a pipe nobody reads yet could fill and stall a job
+        with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
+            procs[name] = (subprocess.Popen([sys.executable, str(JOB), *args, "--json-out", str(out / f"{name}.json")],
+                                            stdout=stdout, stderr=stderr, cwd=ROOT, env=_env()), out / name)
+    try:
+        yield procs
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _finished(jobs, name: str):
+    """(stdout, the JSON the job wrote) once it exited 0."""
+    proc, out = jobs[name]
+    try:
+        proc.wait(timeout=240)   # two at once: 150 s each when they ran one at a time
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the {name} job did not finish within 240 s")
+    assert proc.returncode == 0, out.with_suffix(".err").read_text()[-3000:]
+    return out.with_suffix(".out").read_text(), json.loads(out.with_suffix(".json").read_text())
+
+
+def test_job_matches_eager_attention(jobs):
+    prompt_len, new, batch, seed = PLAIN["prompt_len"], PLAIN["new"], PLAIN["batch"], PLAIN["seed"]
+    stdout, job = _finished(jobs, "plain")
+    assert "tokens/s" in stdout and "KV MiB" in stdout   # the summary table
 
     # The reference, in this process: the same seeded model and prompt, transformers' eager generate.
     module = _load_job_module()
@@ -76,19 +112,13 @@ def test_attention_function_rejects_custom_scale():
         module.ATTENTION.step = None
 
 
-def test_questions_fork_one_document_and_match_eager_attention(tmp_path):
+def test_questions_fork_one_document_and_match_eager_attention(jobs):
     """--questions: the document is prefilled once and forked (its pages shared, not copied); each fork's
     question and greedy continuation equal eager attention over document + question."""
-    prompt_len, chunk, new, questions, question_len, seed = 70, 32, 4, 3, 5, 4
-    out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, str(JOB), "--prompt-len", str(prompt_len), "--chunk-size", str(chunk), "--max-new-tokens",
-         str(new), "--questions", str(questions), "--question-len", str(question_len), "--seed", str(seed),
-         "--shards", "3", "--block-size", "16", "--json-out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=150, cwd=ROOT, env=_env())
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"shared document: {questions} forks hold" in result.stdout
-    job = json.loads(out.read_text())
+    prompt_len, new, questions, question_len, seed = (QUESTIONS[k] for k in ("prompt_len", "new", "questions",
+                                                                               "question_len", "seed"))
+    stdout, job = _finished(jobs, "questions")
+    assert f"shared document: {questions} forks hold" in stdout
     module = _load_job_module()
     model = module.build_model(None, seed=seed, num_layers=2, dtype="float32")
     document = module.make_prompt(model.config.vocab_size, prompt_len, 1, seed)

@@ -85,44 +85,58 @@ class _EvilId(str):
         return hash(("evil", str.__str__(self)))
 
 
-def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_nothing(ray_session):
+@pytest.fixture(scope="module")
+def plain_service(ray_session):
+    """One plain 3-shard service for the tests that only need one (a start each was most of their time)."""
+    svc = cpattn.start(service_config(num_shards=3, rpc_timeout_s=RPC_S))
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture
+def shared_svc(plain_service):
+    """The module's plain service, as if fresh: the sequences a test added are freed after it."""
+    assert plain_service.sequences() == {} and plain_service.gateway.open_step is None
+    yield plain_service
+    for sid in plain_service.sequences():
+        plain_service.free(sid)
+
+
+def test_sparse_tensors_and_str_subclass_ids_are_typed_rejections_that_change_nothing(shared_svc):
     """Item 7: a sparse q/k/v is an InvalidRequestError (it was NotImplementedError); a str subclass equal to
     an id cannot put one sequence twice into a step; a subclass id on its own means that sequence."""
-    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
-    svc = cpattn.start(cfg)
-    try:
-        oracle = Oracle(cfg, 32)
-        a, b = svc.add_sequence(), svc.add_sequence()
-        run_step(svc, oracle, {a: 6, b: 2})
-        before = snapshot(svc)
-        request = {a: 1, _EvilId(a): 1}
-        assert len(request) == 2
-        with pytest.raises(InvalidRequestError, match=f"sequence {a} appears twice"):
-            with svc.step(request):
-                pytest.fail("one sequence twice in a step must be refused")
-        assert snapshot(svc) == before and svc.gateway.open_step is None
-        for layout in ("coo", "csr"):
-            for which in range(3):
-                q, k, v = oracle.random_qkv(2)
-                args = [q, k, v]
-                args[which] = args[which].to_sparse() if layout == "coo" else args[which][:, 0].to_sparse_csr()
-                with pytest.raises(InvalidRequestError, match="dense"):
-                    with svc.step({a: 1, b: 1}) as step:
-                        step.attend(0, *args)
-                assert snapshot(svc) == before and svc.gateway.open_step is None
-        assert svc.sequence_length(_EvilId(a)) == 6      # a subclass id on its own names that sequence
-        pending = {}
-        with svc.step({_EvilId(a): 2, b: 1}) as step:
-            for layer in range(cfg.num_layers):
-                q, k, v = oracle.random_qkv(3)
-                ref, new_kv = oracle.reference({a: 2, b: 1}, layer, q, k, v)
-                assert (step.attend(layer, q, k, v).double() - ref).abs().max().item() <= TOL
-                pending.update(new_kv)
-        oracle.commit(pending)
-        assert svc.sequences() == {a: 8, b: 3}
-        run_step(svc, oracle, {a: 1, b: 1})
-    finally:
-        svc.shutdown()
+    svc = shared_svc
+    cfg = svc.config
+    oracle = Oracle(cfg, 32)
+    a, b = svc.add_sequence(), svc.add_sequence()
+    run_step(svc, oracle, {a: 6, b: 2})
+    before = snapshot(svc)
+    request = {a: 1, _EvilId(a): 1}
+    assert len(request) == 2
+    with pytest.raises(InvalidRequestError, match=f"sequence {a} appears twice"):
+        with svc.step(request):
+            pytest.fail("one sequence twice in a step must be refused")
+    assert snapshot(svc) == before and svc.gateway.open_step is None
+    for layout in ("coo", "csr"):
+        for which in range(3):
+            q, k, v = oracle.random_qkv(2)
+            args = [q, k, v]
+            args[which] = args[which].to_sparse() if layout == "coo" else args[which][:, 0].to_sparse_csr()
+            with pytest.raises(InvalidRequestError, match="dense"):
+                with svc.step({a: 1, b: 1}) as step:
+                    step.attend(0, *args)
+            assert snapshot(svc) == before and svc.gateway.open_step is None
+    assert svc.sequence_length(_EvilId(a)) == 6      # a subclass id on its own names that sequence
+    pending = {}
+    with svc.step({_EvilId(a): 2, b: 1}) as step:
+        for layer in range(cfg.num_layers):
+            q, k, v = oracle.random_qkv(3)
+            ref, new_kv = oracle.reference({a: 2, b: 1}, layer, q, k, v)
+            assert (step.attend(layer, q, k, v).double() - ref).abs().max().item() <= TOL
+            pending.update(new_kv)
+    oracle.commit(pending)
+    assert svc.sequences() == {a: 8, b: 3}
+    run_step(svc, oracle, {a: 1, b: 1})
 
 
 def _attend_all(svc, oracle, step, request):
@@ -136,54 +150,51 @@ def _attend_all(svc, oracle, step, request):
     return pending
 
 
-def test_a_client_is_one_thread_and_a_second_thread_is_refused_cleanly(ray_session):
+def test_a_client_is_one_thread_and_a_second_thread_is_refused_cleanly(shared_svc):
     """Item 4: two threads opening steps on one client at the same moment: exactly one gets the step (its
     outputs exact), the other an InvalidRequestError; attending from another thread is refused; the client
     stays usable."""
-    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
-    svc = cpattn.start(cfg)
-    try:
-        oracle = Oracle(cfg, 33)
-        seqs = [svc.add_sequence(), svc.add_sequence()]
-        run_step(svc, oracle, {seqs[0]: 5, seqs[1]: 3})
-        for _ in range(3):
-            barrier, refused = threading.Barrier(2), threading.Event()
-            outcome: dict = {}
+    svc = shared_svc
+    cfg = svc.config
+    oracle = Oracle(cfg, 33)
+    seqs = [svc.add_sequence(), svc.add_sequence()]
+    run_step(svc, oracle, {seqs[0]: 5, seqs[1]: 3})
+    for _ in range(3):
+        barrier, refused = threading.Barrier(2), threading.Event()
+        outcome: dict = {}
 
-            def worker(sid):
-                barrier.wait()
-                try:
-                    with svc.step({sid: 1}) as step:
-                        refused.wait(10)                  # keep the step open until the other was refused
-                        pending = _attend_all(svc, oracle, step, {sid: 1})
-                    oracle.commit(pending)
-                    outcome[sid] = "committed"
-                except BaseException as exc:   # reported below
-                    outcome[sid] = exc
-                    refused.set()
+        def worker(sid):
+            barrier.wait()
+            try:
+                with svc.step({sid: 1}) as step:
+                    refused.wait(10)                  # keep the step open until the other was refused
+                    pending = _attend_all(svc, oracle, step, {sid: 1})
+                oracle.commit(pending)
+                outcome[sid] = "committed"
+            except BaseException as exc:   # reported below
+                outcome[sid] = exc
+                refused.set()
 
-            threads = [threading.Thread(target=worker, args=(s,)) for s in seqs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            assert sorted(map(str, outcome.values())).count("committed") == 1, outcome
-            (err,) = [e for e in outcome.values() if e != "committed"]
-            assert isinstance(err, InvalidRequestError) and "one thread" in str(err), repr(err)
-            assert svc.gateway.open_step is None
-        with svc.step({seqs[0]: 2}) as step:
-            box = []
-            t = threading.Thread(target=lambda: box.append(pytest.raises(InvalidRequestError, step.attend, 0,
-                                                                         *oracle.random_qkv(2))))
+        threads = [threading.Thread(target=worker, args=(s,)) for s in seqs]
+        for t in threads:
             t.start()
-            t.join(30)
-            assert box and "one thread" in str(box[0].value)
-            pending = _attend_all(svc, oracle, step, {seqs[0]: 2})
-        oracle.commit(pending)
-        assert svc.sequences() == {s: oracle.length(s) for s in seqs}
-        run_step(svc, oracle, {seqs[0]: 1, seqs[1]: 1})
-    finally:
-        svc.shutdown()
+        for t in threads:
+            t.join(60)
+        assert sorted(map(str, outcome.values())).count("committed") == 1, outcome
+        (err,) = [e for e in outcome.values() if e != "committed"]
+        assert isinstance(err, InvalidRequestError) and "one thread" in str(err), repr(err)
+        assert svc.gateway.open_step is None
+    with svc.step({seqs[0]: 2}) as step:
+        box = []
+        t = threading.Thread(target=lambda: box.append(pytest.raises(InvalidRequestError, step.attend, 0,
+                                                                     *oracle.random_qkv(2))))
+        t.start()
+        t.join(30)
+        assert box and "one thread" in str(box[0].value)
+        pending = _attend_all(svc, oracle, step, {seqs[0]: 2})
+    oracle.commit(pending)
+    assert svc.sequences() == {s: oracle.length(s) for s in seqs}
+    run_step(svc, oracle, {seqs[0]: 1, seqs[1]: 1})
 
 
 def test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retry_works(ray_session):
@@ -322,7 +333,7 @@ def _listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_clients_cannot_see_read_or_touch_each_other(ray_session):
+def test_clients_cannot_see_read_or_touch_each_other(shared_svc):
     """Item 5: each client proves an unguessable credential; another client's sequence ids are exactly as
     unknown as ids that never existed (list, step, length, fill, free), its step cannot be ended by others,
     stats show other clients only in aggregate (admin lists public ids, never credentials), shards refuse
@@ -330,8 +341,8 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
     on the node IP only. A closed client's credential resumes it with its sequences."""
     from cpattn.cluster.step_planner import ShardStepPlan
 
-    cfg = service_config(num_shards=3, rpc_timeout_s=RPC_S)
-    svc = cpattn.start(cfg)
+    svc = shared_svc
+    cfg = svc.config
     spy = cpattn.connect(name=cfg.name, namespace=cfg.namespace)
     try:
         oracle = Oracle(cfg, 36)
@@ -398,9 +409,9 @@ def test_clients_cannot_see_read_or_touch_each_other(ray_session):
         with pytest.raises(InvalidRequestError, match="still connected"):
             cpattn.connect(name=cfg.name, namespace=cfg.namespace, credential=cred)
         run_step(svc, oracle, {mine: 1})
+        spy.free(theirs)
     finally:
         spy.close()
-        svc.shutdown()
 
 
 def test_joins_that_never_finish_cannot_hold_the_shards_threads(ray_session):

@@ -64,8 +64,20 @@ def test_random_steps_match_reference(start_service, num_shards, interleave, hq,
         assert 0 <= shard["blocks_used"] * block_size - shard["tokens"] < block_size * len(shares)
 
 
-def test_free_then_fresh_sequence_sees_no_stale_kv(start_service):
-    svc = start_service(num_shards=2, block_size=4)
+@pytest.fixture(scope="module")
+def two_shards(ray_session):
+    """One 2-shard service (block_size 4) for the two tests below: a start was most of each one's time. The
+    first leaves it empty (it frees everything and checks so); the second runs on it as on a fresh one."""
+    from conftest import service_config
+
+    svc = cpattn.start(service_config(num_shards=2, block_size=4))
+    yield svc
+    svc.shutdown()
+
+
+def test_free_then_fresh_sequence_sees_no_stale_kv(two_shards):
+    svc = two_shards
+    assert svc.sequences() == {} and all(s["blocks_used"] == 0 for s in svc.stats()["shards"])
     oracle = Oracle(svc.config, 3)
     a, b = svc.add_sequence(), svc.add_sequence()
     run_step(svc, oracle, {a: 13, b: 7})
@@ -100,8 +112,9 @@ def test_free_then_fresh_sequence_sees_no_stale_kv(start_service):
         oracle.drop(d)
 
 
-def test_several_clients_see_and_use_only_their_own_sequences(start_service):
-    svc1 = start_service(num_shards=2)
+def test_several_clients_see_and_use_only_their_own_sequences(two_shards):
+    svc1 = two_shards
+    assert svc1.sequences() == {}
     svc2 = cpattn.connect(name=svc1.config.name, namespace=svc1.config.namespace)
     try:
         oracle = Oracle(svc1.config, 11)

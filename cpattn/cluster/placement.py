@@ -41,3 +41,13 @@ def shard_bundles(num_shards: int, num_cpus: float, num_gpus: float,
         bundle["GPU"] = num_gpus
     bundle.update(resources or {})
     return [dict(bundle) for _ in range(num_shards)]
+
+
+# The names of a service's Ray objects, here (no torch, no actors) so that `cpattn stop` can remove what a dead
+# coordinator left without importing the shard code.
+def shard_actor_name(service_name: str, bundle_index: int) -> str:
+    return f"{service_name}-shard-{bundle_index}"
+
+
+def placement_group_name(service_name: str) -> str:
+    return f"{service_name}-pg"

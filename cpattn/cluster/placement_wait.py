@@ -110,7 +110,7 @@ def wait_for_start(coordinator, config: ServiceConfig, operator_credential: str 
 def pending_shortfall(config: ServiceConfig, creator: bytes) -> Shortfall | None:
     """What the service's pending placement group (made by the actor ``creator``, its coordinator) lacks and who
     holds it; None when it is not pending."""
-    from cpattn.cluster.shard_set import placement_group_name
+    from cpattn.cluster.placement import placement_group_name
 
     groups = _placement_groups()
     ours = [g for g in groups if g.name == placement_group_name(config.name) and g.creator_actor_id == creator

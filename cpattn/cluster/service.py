@@ -8,9 +8,7 @@ from contextlib import contextmanager
 
 import ray
 
-from cpattn.attention.registry import registry_state
 from cpattn.cluster.authority import digest
-from cpattn.cluster.coordinator import RemoteCoordinator
 from cpattn.cluster.placement_wait import wait_for_start
 from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.config import ServiceConfig
@@ -62,6 +60,10 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
 
     ``operator_credential`` (authority.new_operator_credential) is made by the caller, who keeps it; the
     coordinator gets only its hash, which the shards get too."""
+    # Imported here: they pull in torch, which `cpattn status/stop/list` (find/stop_coordinator) never need.
+    from cpattn.attention.registry import registry_state
+    from cpattn.cluster.coordinator import RemoteCoordinator
+
     try:
         existing = ray.get_actor(config.name, namespace=config.namespace)
     except ValueError:
@@ -162,8 +164,8 @@ def remove_leftovers(config: ServiceConfig) -> None:
     from ray.util import get_placement_group
     from ray.util.placement_group import remove_placement_group
 
-    from cpattn.cluster.shard_set import placement_group_name, shard_actor_name
     from cpattn.cluster.journal import CoordinatorJournal
+    from cpattn.cluster.placement import placement_group_name, shard_actor_name
 
     for bundle in range(config.num_shards):
         try:

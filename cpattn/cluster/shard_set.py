@@ -16,7 +16,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpattn.cluster.messages import ShardInfo
-from cpattn.cluster.placement import ShardLocation, assign_ranks, shard_bundles
+from cpattn.cluster.placement import (ShardLocation, assign_ranks, placement_group_name, shard_actor_name,
+                                      shard_bundles)
 from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.cluster.shard import RemoteShard
 from cpattn.config import ServiceConfig
@@ -42,14 +43,6 @@ def probe_backend(config: ServiceConfig, backend_registry: dict | None) -> str:
     backend = select_backend(config)
     select_prefill_backend(config, backend)
     return backend.get_name()
-
-
-def shard_actor_name(service_name: str, bundle_index: int) -> str:
-    return f"{service_name}-shard-{bundle_index}"
-
-
-def placement_group_name(service_name: str) -> str:
-    return f"{service_name}-pg"
 
 
 def creation_error(exc: BaseException) -> str:
