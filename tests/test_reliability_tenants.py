@@ -42,6 +42,9 @@ def _finish_step(svc, oracle, step, request, pending):
         assert (out.double() - ref).abs().max().item() <= TOL
         pending.update(new_kv)
     step.__exit__(None, None, None)
+    # The commit went without waiting (async_commit): read its answer, so the coordinator has closed the step
+    # before another client's begin_step counts open steps (calls from different handles are not ordered).
+    svc.gateway.flush()
     oracle.commit(pending)
 
 
