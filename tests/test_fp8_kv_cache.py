@@ -404,3 +404,16 @@ def test_dequantized_pages_are_the_stored_values_times_their_scales_exactly(fmt,
             assert torch.equal(scratch[:, renumbered[b, j]].double(), exact[:, table[b, j]]), (seed, b, j)
     some = torch.tensor([5, 0, 7])
     assert torch.equal(dequantize_pages(view, scales, some, dtype).double(), exact[:, some]), seed
+
+
+def test_device_metadata_keeps_the_host_block_table_it_was_copied_from():
+    """FLASH_ATTN plans an fp8 step's distinct pages from the host table: the service hands the builder device
+    metadata (ShardLayerRunner._to_device), which must still carry that table, or the first layer syncs."""
+    from cpattn.attention.metadata import make_causal_metadata
+
+    table = torch.tensor([[3, 1, -1], [0, 2, 4]])
+    md = make_causal_metadata([3, 1], [5, 40], table, 16)
+    on_device = md.to("meta")
+    assert on_device.block_table_tensor.device.type == "meta"
+    assert on_device.block_table_cpu is md.block_table_tensor and on_device.to("meta").block_table_cpu is md.block_table_tensor
+    assert torch.equal(on_device.block_table_cpu, table)

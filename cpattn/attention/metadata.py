@@ -48,6 +48,9 @@ class CommonAttentionMetadata(TensorsAsArrays):
     dcp_interleave: int = 1
     """DCP geometry of the keys this metadata addresses: local key l of this rank is global position
     (l // I) * N * I + rank * I + l % I (N = 1: local = global)."""
+    block_table_cpu: torch.Tensor | None = None
+    """(B, W) int64: the host table ``block_table_tensor`` was copied from (set by ``to``), so a backend that
+    plans from the table (an fp8 cache's distinct pages) needs no device sync."""
 
     def window_key_start(self, window: int | None) -> torch.Tensor | None:
         """(T,) int64 on the CPU: the first *local* key index each query may read under a sliding window of
@@ -70,9 +73,11 @@ class CommonAttentionMetadata(TensorsAsArrays):
 
     def to(self, device: torch.device | str) -> "CommonAttentionMetadata":
         """Device copies of the device-side fields (CPU copies stay on the CPU)."""
+        table = self.block_table_tensor
         return replace(self, query_start_loc=self.query_start_loc.to(device),
                        seq_lens=self.seq_lens.to(device),
-                       block_table_tensor=self.block_table_tensor.to(device),
+                       block_table_tensor=table.to(device),
+                       block_table_cpu=table if table.device.type == "cpu" else self.block_table_cpu,
                        slot_mapping=self.slot_mapping.to(device))
 
 

@@ -150,7 +150,7 @@ class ShardLayerRunner:
                 entry = self._device_tables[key] = (table, table.to(self.device))
                 while len(self._device_tables) > 4:   # a plain or suffix table and a prefix table, and the last run's
                     self._device_tables.pop(next(iter(self._device_tables)))
-        return replace(md, block_table_tensor=entry[1]).to(self.device)
+        return replace(md, block_table_tensor=entry[1], block_table_cpu=table).to(self.device)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,7 +144,8 @@ class FlashAttentionMetadata:
     empty_rows: torch.Tensor | None
     """(T,) bool, device: tokens of requests with no key; None when there are none."""
     page_table_cpu: torch.Tensor | None = None
-    """(B, W) int64, host: the page table, for an fp8 cache's dequantised pages (planned once per step)."""
+    """(B, W) int64, host, -1 beyond a request's pages: for an fp8 cache's dequantised pages (planned once per
+    step without a device sync); None only where the metadata was built on the device."""
     fp8_pages: tuple[torch.Tensor, torch.Tensor] | None = None
     """An fp8 cache: (the step's distinct pages [U] int64, the page table renumbered into them [B, W] int32), both
     on the device; made by the step's first layer, reused by the others."""
@@ -169,7 +170,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             seqused_k=seq.to(i32).to(dev, non_blocking=True), cu_seqlens_k=cu_k.to(i32).to(dev, non_blocking=True),
             page_table=table.to(dev, non_blocking=True).to(i32).contiguous(),
             max_query_len=max(common.max_query_len, 1), max_seq_len=max(common.max_seq_len, 1),
-            causal=common.causal, empty_rows=empty_rows, page_table_cpu=table if table.device.type == "cpu" else None)
+            causal=common.causal, empty_rows=empty_rows,
+            page_table_cpu=common.block_table_tensor if table.device.type == "cpu" else common.block_table_cpu)
 
 
 class FlashAttentionImpl(AttentionImpl):
@@ -238,7 +240,8 @@ class FlashAttentionImpl(AttentionImpl):
     def _dequantized(kv_cache, kv_scale, md: FlashAttentionMetadata, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The fp8 cache's pages this step reads, as ``dtype`` pages, and the page table renumbered into them."""
         if md.fp8_pages is None:   # the step's first layer: the distinct pages, on the host (no device sync)
-            table = md.page_table_cpu if md.page_table_cpu is not None else md.page_table.cpu().to(torch.int64)
+            table = md.page_table_cpu if md.page_table_cpu is not None else md.page_table.cpu()
+            table = table.to(torch.int64).clamp(min=0)   # padding reads page 0, as the kernel's table does
             pages, renumbered = torch.unique(table, return_inverse=True)
             dev = kv_cache.device
             md.fp8_pages = (pages.to(dev, non_blocking=True),
