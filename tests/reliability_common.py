@@ -51,8 +51,8 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
-def kill_shard(svc, rank: int, wait_dead: bool = True) -> None:
-    """ray.kill the shard of ``rank``; with wait_dead, return only once it no longer answers."""
+def kill_shard(svc, rank: int, wait_dead: bool = True):
+    """ray.kill the shard of ``rank``; with wait_dead, return only once it no longer answers. Returns its handle."""
     handle = current_shards(svc)[rank]
     ray.kill(handle, no_restart=True)
     if wait_dead:
@@ -63,6 +63,14 @@ def kill_shard(svc, rank: int, wait_dead: bool = True) -> None:
             except ray.exceptions.RayActorError:
                 return True
         wait_for(dead, 60, f"shard {rank} to die")
+    return handle
+
+
+def wait_rank_replaced(svc, rank: int, killed, timeout_s: float = 90.0) -> None:
+    """Wait until the coordinator's shard of ``rank`` is no longer ``killed`` (a count of replacements can be
+    reached by another shard's replacement on a loaded machine, a health check that timed out)."""
+    wait_for(lambda: current_shards(svc)[rank]._actor_id != killed._actor_id, timeout_s,
+             f"shard {rank} replaced", 0.05)
 
 
 def wait_replaced(svc, count: int, timeout_s: float = 90.0) -> float:

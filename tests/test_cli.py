@@ -235,14 +235,38 @@ def test_serve_status_submit_stop_on_a_cluster(ray_head, tmp_path):
     failing = subprocess.Popen([*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir), "--",
                                 "python", "hello.py", "failing-job", "3"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    # Ray's own CLI as the README prints it (the long-context job in the job's own service: 2 of the head's 4 CPUs).
+    ray_own_line, ray_own_env = _ray_job_submit_line()
+    ray_own = subprocess.Popen(command(ray_own_line), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=ROOT, env=dict(env, RAY_ADDRESS=gcs, **ray_own_env))   # this head of several
     try:
         _serve_use_and_stop(name, gcs, env)
         out, err = failing.communicate(timeout=120)
+        own_out, own_err = ray_own.communicate(timeout=240)
     finally:
-        if failing.poll() is None:
-            failing.kill()
+        for proc in (failing, ray_own):
+            if proc.poll() is None:
+                proc.kill()
     assert failing.returncode == 1 and "FAILED" in err, err
     assert "hello from failing-job" in out and BANNER not in err
+    assert ray_own.returncode == 0, f"`{ray_own_line}` failed:\n{own_out[-2000:]}\n{own_err[-3000:]}"
+    assert "generated: [[" in own_out and "succeeded" in own_out + own_err, own_out[-2000:]
+
+
+def _ray_job_submit_line() -> tuple[str, dict]:
+    """README's `ray job submit` line (Ray's own CLI) without its leading NAME=value settings, and those."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text().splitlines()
+    found = [line for line in readme if "ray job submit --working-dir . -- python examples/long_context_job.py" in line]
+    assert len(found) == 1, "README.md has no single `ray job submit` line for the long-context job"
+    words = shlex.split(found[0], comments=True)
+    settings = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        key, value = words.pop(0).split("=", 1)
+        settings[key] = value
+    assert settings == {"RAY_AUTH_MODE": "token"}, settings   # what the README says Ray's own CLI needs
+    return shlex.join(words), settings
 
 
 def _serve_use_and_stop(name: str, gcs: str, env: dict) -> None:

@@ -12,7 +12,7 @@ import pytest
 import cpattn
 from conftest import service_config
 from cpattn.errors import InvalidRequestError
-from reliability_common import RPC_S, kill_shard, kv_checksums, wait_replaced
+from reliability_common import RPC_S, kill_shard, kv_checksums, wait_rank_replaced
 from service_oracle import Oracle, local_tokens, run_step
 
 # (num_shards, dcp_interleave, block_size, num_q_heads, num_kv_heads, kv_replicas, layer 1's window and soft cap)
@@ -154,7 +154,6 @@ def test_fp8_cache_windows_and_refill_on_forks(start_service):
     assert run_step(svc, oracle, {f: 3}, check=False) < 0.15
     assert _same_step_outputs(svc, a, svc.fork(f, num_tokens=22), oracle) == 0.0
     sums = kv_checksums(svc)
-    kill_shard(svc, 1)
-    wait_replaced(svc, 1)
+    wait_rank_replaced(svc, 1, kill_shard(svc, 1))
     assert kv_checksums(svc) == pytest.approx(sums, rel=1e-12)
     assert run_step(svc, oracle, {f: 1}, check=False) < 0.15

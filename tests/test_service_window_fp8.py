@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpattn.errors import IncompleteStepError, InvalidRequestError
-from reliability_common import RPC_S, kill_shard, kv_checksums, wait_replaced
+from reliability_common import RPC_S, kill_shard, kv_checksums, wait_rank_replaced
 from service_oracle import Oracle, run_step
 
 
@@ -76,8 +76,7 @@ def test_fp8_cache_with_replicas_survives_a_killed_shard(start_service):
     for request in ({a: 14, b: 5}, {a: 1, b: 1}):
         run_step(svc, oracle, request, check=False)
     sums = kv_checksums(svc)
-    kill_shard(svc, 1)
-    wait_replaced(svc, 1)
+    wait_rank_replaced(svc, 1, kill_shard(svc, 1))
     assert kv_checksums(svc) == pytest.approx(sums, rel=1e-12)
     worst = max(run_step(svc, oracle, request, check=False) for request in ({a: 1, b: 1}, {a: 3, b: 1}))
     assert 0 < worst < 0.3, worst                  # e5m2: 2 mantissa bits; outputs are O(1)

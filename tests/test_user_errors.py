@@ -24,6 +24,11 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+# "Within seconds": the command's own start (Python, Ray's import) is ~3 s on a quiet 2-core box and 10+ under a
+# loaded one; the failures these guard against took 13 minutes (Ray's connection retries) or a whole Ray start.
+WITHIN_SECONDS = 30
+
+
 def _cli(args: list[str], timeout: float = 60, **env) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     result = subprocess.run([*CPATTN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -45,7 +50,7 @@ def test_unreachable_address_fails_within_seconds(command):
     result, took = _cli([*command, "--address", address])
     err = _one_error_line(result, command[0])
     assert f"cannot reach the Ray cluster at {address}" in err and "Connection refused" in err, err
-    assert took < 10, took
+    assert took < WITHIN_SECONDS, took
 
 
 def test_submit_to_an_unreachable_job_server_fails_within_seconds():
@@ -53,7 +58,7 @@ def test_submit_to_an_unreachable_job_server_fails_within_seconds():
     result, took = _cli(["submit", "--address", url, "--", "python", "x.py"])
     err = _one_error_line(result, "submit")
     assert f"cannot reach the Ray job server (dashboard) at {url}" in err, err
-    assert took < 10, took
+    assert took < WITHIN_SECONDS, took
 
 
 def test_connect_to_an_unreachable_address_raises_service_error_within_seconds():
@@ -165,7 +170,7 @@ def test_ray_errors_reach_the_cli_user_as_one_line(monkeypatch, capsys):
 def test_serve_with_a_backend_that_cannot_serve_fails_before_ray_starts():
     result, took = _cli(["serve", "--backend", "FLASHINFER", "--num-shards", "2"])
     err = result.stderr
-    assert result.returncode == 1 and took < 10, (took, err)
+    assert result.returncode == 1 and took < WITHIN_SECONDS, (took, err)
     assert "Traceback" not in err and not ANSI.search(err) and "ray::" not in err, err
     assert err.startswith("cpattn serve: error: attention backend FLASHINFER cannot serve ")
     assert err.count("FLASHINFER: device cpu not supported (supports cuda)") == 1, err
