@@ -48,8 +48,9 @@ class _OpCounter(TorchDispatchMode):
 
 
 @contextmanager
-def _counting(run_kernels: bool):
-    """(op counter, Triton launches by kernel name) over the block; Triton kernels stubbed unless ``run_kernels``."""
+def _counting(run_kernels: bool, count_ops: bool = True):
+    """(op counter, Triton launches by kernel name) over the block; Triton kernels stubbed unless ``run_kernels``;
+    torch ops counted only with ``count_ops`` (the dispatch mode costs host time of its own)."""
     import triton.runtime.jit as jit
 
     classes = [jit.JITFunction]
@@ -77,7 +78,10 @@ def _counting(run_kernels: bool):
     for cls, original in originals:
         cls.run = patched(original)
     try:
-        with counter:
+        if count_ops:
+            with counter:
+                yield counter, launches
+        else:
             yield counter, launches
     finally:
         for cls, original in originals:
@@ -116,7 +120,8 @@ def measure(questions: int, args, device: torch.device) -> dict:
     step = runner.plan(plan)
     run_kernels = device.type == "cuda"
     row = {"questions": questions, "tokens": plan.num_tokens, "prefix_pass": step.prefix_pass is not None}
-    runner.run_layer(step, 0, q, k, v)   # warm-up (JIT compiles on a GPU)
+    if run_kernels:
+        runner.run_layer(step, 0, q, k, v)   # warm-up: JIT compiles
     with _counting(run_kernels) as (ops, launches):
         runner.run_layer(step, 0, q, k, v)
     row["eager"] = _counts(ops, launches)
@@ -126,12 +131,18 @@ def measure(questions: int, args, device: torch.device) -> dict:
         graphs.make_buffers(step.attn_metadata, key, step.prefix_pass)
         graphs.key = key
         graphs.prepare(step.attn_metadata, step.replica_slots, step.pieces, step.rows, step.prefix_pass)
-        graphs._layer(0)
+        if run_kernels:
+            graphs._layer(0)
         with _counting(run_kernels) as (ops, launches):
             graphs._layer(0)
         row["graphed"] = _counts(ops, launches)
     if device.type == "cuda":
-        row["eager_host_us"] = _host_us(lambda: runner.run_layer(step, 0, q, k, v), args.repeats)
+        row["eager_host_us"] = _host_us(lambda: runner.run_layer(step, 0, q, k, v), args.repeats, True)
+    else:   # the host's Python and torch work of a layer, its Triton launches stubbed (their own cost left out)
+        with _counting(False, count_ops=False):
+            row["eager_host_us_stubbed"] = _host_us(lambda: runner.run_layer(step, 0, q, k, v), args.repeats, False)
+            if key is not None:
+                row["graphed_layer_host_us_stubbed"] = _host_us(lambda: graphs._layer(0), args.repeats, False)
     return row
 
 
@@ -140,14 +151,16 @@ def _counts(counter: _OpCounter, launches: Counter) -> dict:
             "triton": dict(launches), "allocations": sum(counter.allocs.values())}
 
 
-def _host_us(fn, repeats: int) -> float:
+def _host_us(fn, repeats: int, cuda: bool) -> float:
     """Median host time of ``fn`` in microseconds, the device synchronised between calls only."""
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
+    if cuda:
         torch.cuda.synchronize()
     return sorted(times)[len(times) // 2]
 
@@ -168,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("on a CPU set TRITON_INTERPRET=1 (Triton's interpreter stands in for the GPU)")
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float16")
+    if device.type == "cpu":
+        torch.set_num_threads(1)   # small ops: intra-op threads only wait on each other (and on a shared box, long)
     rows = []
     for questions in (1, args.questions):
         row = measure(questions, args, device)
@@ -177,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                 c = row[path]
                 print(f"{questions:3d} question(s) {path:8s}: {c['launches']:3d} launches "
                       f"({sum(c['triton'].values())} Triton), {c['allocations']} allocations  {c['torch_ops']}")
-        if "eager_host_us" in row:
-            print(f"    eager host {row['eager_host_us']:.1f} us/layer")
+        for name in ("eager_host_us", "eager_host_us_stubbed", "graphed_layer_host_us_stubbed"):
+            if name in row:
+                print(f"    {name}: {row[name]:.1f} us/layer")
     meta = {"host": platform.node(), "device": str(device), "torch": torch.__version__,
             **{k: v for k, v in vars(args).items() if k != "json"}}
     out = Path(args.json)
