@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -27,10 +26,9 @@ from cpattn.attention.backends.triton_attn import TritonAttentionBackend        
 from cpattn.attention.merge_triton import merge_into_rows_triton                         # noqa: E402
 from cpattn.cluster.decode_graphs import DecodeGraphs                                    # noqa: E402
 from cpattn.cluster.layer_runner import ShardLayerRunner                                 # noqa: E402
-from cpattn.cluster.step_planner import StepRequest, plan_step                           # noqa: E402
 from cpattn.errors import InvalidRequestError                                            # noqa: E402
-from cpattn.kvstore.sharded_allocator import ShardedKVAllocator                          # noqa: E402
 from tests.reference import attention_with_visibility                                    # noqa: E402
+from tests.test_prefix_merge_once import forked_step                                     # noqa: E402
 
 BLOCK, HQ, HK, D = 16, 8, 2, 16
 
@@ -68,39 +66,6 @@ def test_merge_into_rows_equals_the_float64_merge(n, base, dtype, seed):
         merge_into_rows_triton(outs, lses, out, lse, rows[:-1], base)
 
 
-def _step(num_shards, interleave, order, seed):
-    """One decode step of a batch mixing two documents' forks and lone sequences in ``order`` ("a"/"b": a fork of
-    document a/b, "x": a lone sequence), pages placed among other sequences' at random. Returns (plans, lengths)."""
-    rng = random.Random(seed)
-    alloc = ShardedKVAllocator(num_shards, 512, BLOCK, interleave, max_rows=32)
-    junk = alloc.add_rows()
-    grown = 0
-
-    def scatter():   # another sequence's pages in between: the documents' pages are not consecutive
-        nonlocal grown
-        grown += rng.randint(1, 3) * BLOCK * num_shards
-        alloc.finish(alloc.grow([(junk, grown)], [grown]))
-
-    docs, rows, lengths = {}, [], []
-    for name, n in (("a", rng.randint(150, 260)), ("b", rng.randint(100, 200))):
-        scatter()
-        docs[name] = (alloc.add_rows(), n)
-        alloc.finish(alloc.grow([(docs[name][0], n)], [0]))
-    for kind in order:
-        scatter()
-        if kind == "x":
-            row, n = alloc.add_rows(), rng.randint(20, 90)
-            alloc.finish(alloc.grow([(row, n)], [0]))
-        else:
-            source, full = docs[kind]
-            n = rng.choice([full, full - rng.randint(1, 40)])   # forks of the whole document or a part of it
-            row = alloc.fork_rows(source, n)
-        rows.append(row)
-        lengths.append(n)
-    growth = alloc.grow([(r, n + 1) for r, n in zip(rows, lengths)], lengths)
-    return plan_step(alloc, [StepRequest(r, n, 1) for r, n in zip(rows, lengths)], 1, False, 1 << 20, growth=growth)
-
-
 @pytest.mark.parametrize("num_shards,interleave,order,split_kv", [
     (3, 1, "axaabbxa", False),     # forks scattered: q gathered for a, read in place for the b pair; two groups
     (2, 16, "aaaabb", True),       # forks together: q read in place; the prefix pass split into several partials
@@ -114,7 +79,7 @@ def test_forked_steps_merge_once_and_match_float64(num_shards, interleave, order
                                num_blocks_per_shard=512)
     g = torch.Generator().manual_seed(num_shards * 7 + interleave)
     fused, modes = 0, set()
-    for plan in _step(num_shards, interleave, order, seed=num_shards):
+    for plan in forked_step(num_shards, interleave, order, BLOCK, seed=num_shards):
         cache = torch.randn(2, 512, BLOCK, HK, D, generator=g).to(torch.float16)
         eager = ShardLayerRunner(cfg, TritonAttentionBackend, [cache.clone()], torch.device("cpu"))
         step = eager.plan(plan)
