@@ -4,7 +4,8 @@ N questions forked from one document decode one token each; one shard's layer ru
 its graph buffers (``DecodeGraphs._layer``, what a captured graph replays), and every torch op that would launch a
 kernel on a GPU (views and no-op conversions excluded, allocations counted apart) and every Triton kernel launch is
 counted. "one" is one question's decode over the same document, the goal's baseline. On a GPU it also times the
-eager layer's host work (no sync). On a CPU it runs under Triton's interpreter with the Triton kernels stubbed
+eager layer's host work (no sync) and the graphed layer on the device (replays, CUDA events: issue 24's goal per
+layer, shared <= 1.2x one). On a CPU it runs under Triton's interpreter with the Triton kernels stubbed
 (counted, not run: launch counts need no numbers):
 
     TRITON_INTERPRET=1 PYTHONPATH=. <python with torch and triton> benchmarks/prefix_pass_launches.py
@@ -16,6 +17,7 @@ Prints one line per case and writes JSON (default benchmarks/results/prefix_pass
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -138,6 +140,7 @@ def measure(questions: int, args, device: torch.device) -> dict:
         row["graphed"] = _counts(ops, launches)
     if device.type == "cuda":
         row["eager_host_us"] = _host_us(lambda: runner.run_layer(step, 0, q, k, v), args.repeats, True)
+        row["graphed_layer_us"] = _graphed_layer_us(runner, copy.deepcopy(plan), q, k, v, args.repeats)
     else:   # the host's Python and torch work of a layer, its Triton launches stubbed (their own cost left out)
         with _counting(False, count_ops=False):
             row["eager_host_us_stubbed"] = _host_us(lambda: runner.run_layer(step, 0, q, k, v), args.repeats, False)
@@ -149,6 +152,25 @@ def measure(questions: int, args, device: torch.device) -> dict:
 def _counts(counter: _OpCounter, launches: Counter) -> dict:
     return {"launches": sum(counter.ops.values()) + sum(launches.values()), "torch_ops": dict(counter.ops),
             "triton": dict(launches), "allocations": sum(counter.allocs.values())}
+
+
+def _graphed_layer_us(runner, plan, q, k, v, repeats: int) -> float | None:
+    """Wall time per layer on the device of the layer as a decode loop runs it (its captured graph replayed, the
+    q/k/v copies into the graph's buffers included), CUDA events around ``repeats`` layers; None if not graphed."""
+    graphs = runner.new_graphs()
+    step = runner.plan(plan, graphs) if graphs is not None else None
+    if step is None or step.graphs is None:
+        return None
+    for _ in range(3):
+        runner.run_layer(step, 0, q, k, v)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        runner.run_layer(step, 0, q, k, v)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / repeats
 
 
 def _host_us(fn, repeats: int, cuda: bool) -> float:
@@ -192,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 c = row[path]
                 print(f"{questions:3d} question(s) {path:8s}: {c['launches']:3d} launches "
                       f"({sum(c['triton'].values())} Triton), {c['allocations']} allocations  {c['torch_ops']}")
-        for name in ("eager_host_us", "eager_host_us_stubbed", "graphed_layer_host_us_stubbed"):
-            if name in row:
+        for name in ("eager_host_us", "graphed_layer_us", "eager_host_us_stubbed", "graphed_layer_host_us_stubbed"):
+            if row.get(name) is not None:
                 print(f"    {name}: {row[name]:.1f} us/layer")
     meta = {"host": platform.node(), "device": str(device), "torch": torch.__version__,
             **{k: v for k, v in vars(args).items() if k != "json"}}

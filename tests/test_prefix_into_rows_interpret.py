@@ -112,3 +112,25 @@ def test_forked_steps_merge_once_and_match_float64(num_shards, interleave, order
             torch.testing.assert_close(lse[i:i + 1].double(), ref_lse, atol=2e-3, rtol=2e-3)
     assert fused >= 1   # some shard's step took the one-merge path
     assert modes == ({False, True} if order == "axaabbxa" else {True})   # q gathered only for scattered forks
+
+
+def test_a_fork_layer_launches_one_kernel_more_than_one_question(tmp_path):
+    """benchmarks/prefix_pass_launches.py's counts: 16 questions' layer is one question's plus the prefix pass (KV
+    write, suffix decode, query-groups pass, one merge; no torch op), eager and from graph buffers alike."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_pass_launches.py"
+    spec = importlib.util.spec_from_file_location("prefix_pass_launches", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--prefix-tokens", "4096", "--repeats", "2", "--json", str(tmp_path / "c.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    one, forks = json.loads((tmp_path / "c.json").read_text())["rows"]
+    for way in ("eager", "graphed"):
+        assert forks[way]["torch_ops"] == {} and forks[way]["launches"] == one[way]["launches"] + 1 == 4
+        assert forks[way]["allocations"] == one[way]["allocations"]
