@@ -11,8 +11,8 @@ bf16, outlier data; CUDA graphs, CUDA events):
 - ``pass``: the pass now (rows addressed in the kernel, partials merged in place) under each candidate of
   triton_decode.CONFIG_OVERRIDES["query_groups"] (tile length, warps, stages, prefetch, page-wise loads, waves),
   staged within ``--seconds``;
-- ``layer``: what a layer adds for the forks with the winner: the rows' q gather, the pass, the LSE merge into the
-  suffix pass's rows (cascade_plan.merge_prefix_rows).
+- ``layer``: what a layer adds for the forks with the winner: the pass as a shard runs it (its q read in place, its
+  split partials merged into the suffix pass's rows in one launch: triton_query_groups.into_step_rows).
 Every output is checked against float64 (rel < 1e-2). Prints the winner, its ratio to the decode (goal ~1x), the
 line to paste, and writes JSON (default benchmarks/results/prefix_pass_sweep.json).
 
@@ -71,7 +71,6 @@ def main() -> int:
         args.prefix_keys, args.seconds = 512, 30.0
     from cpattn.attention.backends import triton_decode as tk
     from cpattn.attention.backends import triton_query_groups as tq
-    from cpattn.attention.cascade_plan import merge_prefix_rows
 
     budget = Budget(args.seconds)
     dev = DEVICE
@@ -134,15 +133,14 @@ def main() -> int:
     stage([dict(top, waves=w) for w in (1, 4, 8)] + [dict(top, num_stages=1)])
     win = best()
     layer = {}
-    if "ms" in win:   # the forks' whole prefix work in a layer: q gather, the pass, the merge into suffix rows
+    if "ms" in win:   # the forks' whole prefix work in a layer: the pass and its one merge into the suffix rows
         tk.CONFIG_OVERRIDES["query_groups"] = {k: v for k, v in win["cfg"].items() if base.get(k) != v}
-        grp, rows_dev = groups(), torch.arange(n, device=dev)
+        grp, rows_dev = tq.into_step_rows(groups(), torch.arange(n), dev), torch.arange(n, device=dev)
         suffix_out, suffix_lse = torch.randn(n, HQ, D, device=dev).to(ACT), torch.randn(n, HQ, device=dev)
 
-        def layer_fn():
-            q_rows = qn[rows_dev]
-            tq.attend_query_groups(grp, q_rows, k_cache, v_cache, case.table, scale, outn, lsen)
-            merge_prefix_rows(suffix_out, suffix_lse, rows_dev, outn, lsen)
+        def layer_fn():   # merges into the suffix rows in place: replays keep merging (the time is the same)
+            tq.attend_query_groups(grp, qn, k_cache, v_cache, case.table, scale, suffix_out, suffix_lse,
+                                   rows_R=rows_dev)
 
         layer = dict(ms=time_graph(layer_fn))
         layer["over_decode"] = layer["ms"] / decode_ms
@@ -151,7 +149,7 @@ def main() -> int:
     line = config_line("query_groups", win["cfg"], base)
     print(f"winner ({len(rows)} candidates in {budget.elapsed():.0f} s): {_row_text(win)}")
     if layer:
-        print(f"a layer's prefix work with it (q gather + pass + merge): {layer['ms']:.3f} ms "
+        print(f"a layer's prefix work with it (pass + one merge): {layer['ms']:.3f} ms "
               f"({layer['over_decode']:.2f}x the decode; before: pass alone {legacy_ms / decode_ms:.2f}x)")
     print("adopt: in cpattn/attention/backends/triton_decode.py CONFIG_OVERRIDES, replace the \"query_groups\" "
           "line with")

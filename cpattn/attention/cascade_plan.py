@@ -16,11 +16,13 @@ Legend: B requests, G groups, T tokens, R prefix-pass rows, W table width.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from cpattn.attention.cascade import common_page_runs
-from cpattn.attention.ops.merge import merge_partials
+from cpattn.attention.ops.lse import LseBase
+from cpattn.attention.ops.merge import merge_into_rows
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import PAD_BLOCK_ID, PAD_SLOT_ID
 
@@ -33,6 +35,27 @@ class CascadeSplit:
     """G requests: each group's queries (rows ``rows``) over its prefix pages; writes nothing."""
     rows: torch.Tensor
     """(R,) int64: step rows of the prefix pass, in its order (CPU)."""
+
+
+@dataclass(frozen=True)
+class PrefixPass:
+    """A step's prefix pass as a shard runs it in every layer (cluster/layer_runner.py attend_prefix)."""
+
+    plan: Any
+    """The backend's metadata of ``CascadeSplit.prefix`` (into_rows: planned to address the step's rows)."""
+    rows: torch.Tensor
+    """(R,) int64 on the device: ``CascadeSplit.rows``."""
+    q_start: int | None
+    """The rows are q_start .. q_start + R - 1 (forks batched together): the pass reads q as a view, not a gather."""
+    into_rows: bool
+    """The backend's impl runs ``plan`` merging into the suffix pass's rows itself (attend_into_rows: TRITON's query
+    groups, its split partials and the suffix partial in one merge)."""
+
+
+def consecutive_start(rows_R: torch.Tensor) -> int | None:
+    """rows_R[0] when ``rows_R`` (CPU) is rows_R[0], rows_R[0] + 1, ...; else None."""
+    rows = rows_R.tolist()
+    return rows[0] if rows and rows == list(range(rows[0], rows[0] + len(rows))) else None
 
 
 def split_shared_prefixes(md: CommonAttentionMetadata, block_size: int,
@@ -126,10 +149,8 @@ def _shifted_tables(table_BW: torch.Tensor, groups: list[tuple[tuple[int, ...], 
 
 
 def merge_prefix_rows(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, rows_R: torch.Tensor, prefix_out_RQD: torch.Tensor,
-                      prefix_lse_RQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The suffix pass's output with the prefix pass merged into its rows (natural-log LSEs; new tensors). On a GPU
-    one merge kernel (merge_partials), not ~20 torch launches: the layer's eager path and its graph alike."""
-    merged, merged_lse = merge_partials([out_TQD.index_select(0, rows_R), prefix_out_RQD.to(out_TQD.dtype)],
-                                           [lse_TQ.index_select(0, rows_R), prefix_lse_RQ.to(lse_TQ.dtype)])
-    return (out_TQD.index_copy(0, rows_R, merged.to(out_TQD.dtype)),
-            lse_TQ.index_copy(0, rows_R, merged_lse.to(lse_TQ.dtype)))
+                      prefix_lse_RQ: torch.Tensor, lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix pass (LSE in ``lse_base``) merged into the suffix pass's rows ``rows_R`` of ``out_TQD`` / natural-log
+    ``lse_TQ``, in place (returns them). On a GPU one launch (ops.merge.merge_into_rows), not gather, stack, merge and
+    scatter: the layer's eager path and its graph alike."""
+    return merge_into_rows(out_TQD, lse_TQ, rows_R, prefix_out_RQD[None], prefix_lse_RQ[None], lse_base)

@@ -16,10 +16,12 @@ Used by the shard actor and by a client computing a shard on its own GPU (cluste
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from cpattn.attention import AttentionCGSupport, to_natural_lse
+from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.cluster.graph_capture import capture_graphs
 from cpattn.kvstore import kernel_kv_view
@@ -39,7 +41,8 @@ class DecodeGraphs:
         self.replica: torch.Tensor | None = None
         self.written: WrittenPages | None = None
         """Dynamic fp8 scales: the pages the step's own then replica slots write, derived once per step."""
-        self.prefix_static, self.prefix_rows = None, None
+        self.prefix: PrefixPass | None = None
+        """The prefix pass's plan and rows in buffers (its q_start and into_rows are the bucket's)."""
         self.disabled = False
 
     @staticmethod
@@ -76,8 +79,8 @@ class DecodeGraphs:
             for buffer, value in zip(self.written, written_pages(slots, self.runner.config.block_size)):
                 buffer.copy_(value)
         if prefix_pass is not None:
-            builder.refill(self.prefix_static, prefix_pass[0])
-            self.prefix_rows.copy_(prefix_pass[1])
+            builder.refill(self.prefix.plan, prefix_pass.plan)
+            self.prefix.rows.copy_(prefix_pass.rows)
         return True
 
     def bucket(self, attn_metadata, replica_slots: torch.Tensor | None, prefix_pass: tuple | None) -> tuple | None:
@@ -89,10 +92,10 @@ class DecodeGraphs:
             return None
         prefix_key = None
         if prefix_pass is not None:
-            prefix_key = builder.graph_key(prefix_pass[0])
+            prefix_key = builder.graph_key(prefix_pass.plan)
             if prefix_key is None:
                 return None
-            prefix_key = (prefix_key, prefix_pass[1].numel())
+            prefix_key = (prefix_key, prefix_pass.rows.numel(), prefix_pass.q_start, prefix_pass.into_rows)
         return key + (replica_slots is not None, prefix_key)
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
@@ -117,9 +120,8 @@ class DecodeGraphs:
         kv_cache = kernel_kv_view(r.kv_caches[layer], r.config.block_size, r.kernel_block_size)
         out, lse = r.impl.forward(layer, self.q, self.k, self.v, kv_cache, self.static, **extra)
         lse = to_natural_lse(lse.to(r.lse_dtype), r.backend.lse_base)
-        if self.prefix_static is not None:
-            out, lse = r.attend_prefix(layer, (self.prefix_static, self.prefix_rows), self.q, self.k, self.v, kv_cache,
-                                       out, lse, extra)
+        if self.prefix is not None:
+            out, lse = r.attend_prefix(layer, self.prefix, self.q, self.k, self.v, kv_cache, out, lse, extra)
         return out.to(r.dtype), lse
 
     def _capture(self, attn_metadata, key: tuple, prefix_pass: tuple | None = None) -> None:
@@ -146,7 +148,7 @@ class DecodeGraphs:
         dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
         no_writes = torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
         self.written = written_pages(no_writes, cfg.block_size) if dynamic_fp8 else None
-        self.prefix_static, self.prefix_rows = None, None
+        self.prefix = None
         if prefix_pass is not None:
-            self.prefix_static = r.builder.make_static(prefix_pass[0], key[4][0])
-            self.prefix_rows = torch.zeros_like(prefix_pass[1])
+            self.prefix = replace(prefix_pass, plan=r.builder.make_static(prefix_pass.plan, key[4][0]),
+                                  rows=torch.zeros_like(prefix_pass.rows))

@@ -16,7 +16,7 @@ import torch
 
 from cpattn.attention import AttentionSpec, to_natural_lse
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
-from cpattn.attention.cascade_plan import PrefixSplitter, merge_prefix_rows
+from cpattn.attention.cascade_plan import PrefixPass, PrefixSplitter, consecutive_start, merge_prefix_rows
 from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.step_planner import ShardStepPlan
@@ -40,8 +40,8 @@ class PlannedStep:
     """Dynamic fp8 scales: the pages this step writes (grown per layer before the write)."""
     copies: torch.Tensor | None = None
     """[C, 2] int64 on the device: pages each layer copies before its KV update (copy on write)."""
-    prefix_pass: tuple[Any, torch.Tensor] | None = None
-    """(plan, rows on the device): shared prefixes read once per layer (attention/cascade_plan.py); None: none."""
+    prefix_pass: PrefixPass | None = None
+    """Shared prefixes read once per layer (attention/cascade_plan.py); None: none."""
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
@@ -119,9 +119,7 @@ class ShardLayerRunner:
         prefix_pass = None
         if split is not None:
             md = split.suffix
-            if self._prefix_builder is None:
-                self._prefix_builder = type(self.builder)(self.builder.spec)
-            prefix_pass = (self._prefix_builder.build(0, self._to_device(split.prefix)), split.rows.to(self.device))
+            prefix_pass = self._plan_prefix(split)
         attn_md = self.builder.build(0, self._to_device(md))
         replica = None if plan.replica_slot_mapping is None else plan.replica_slot_mapping.to(self.device)
         rows = None if plan.rows is None else plan.rows.to(self.device)
@@ -137,6 +135,17 @@ class ShardLayerRunner:
             new_only = md.slot_mapping.to(self.device)
         return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
                            self, new_only)
+
+    def _plan_prefix(self, split) -> PrefixPass:
+        """The prefix pass of a split step: the backend's plan, and where its impl can merge into the suffix pass's
+        rows itself (attend_into_rows) the plan for that."""
+        if self._prefix_builder is None:
+            self._prefix_builder = type(self.builder)(self.builder.spec)
+        plan = self._prefix_builder.build(0, self._to_device(split.prefix))
+        into = getattr(self._prefix_builder, "into_step_rows", None)
+        fused = into(plan, split.rows) if into is not None and hasattr(self.impl, "attend_into_rows") else None
+        return PrefixPass(plan if fused is None else fused, split.rows.to(self.device), consecutive_start(split.rows),
+                          fused is not None)
 
     def _to_device(self, md):
         """``md.to(device)`` with the block table's device copy kept while the next step brings the same table
@@ -201,12 +210,20 @@ class ShardLayerRunner:
             out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
         return out.to(self.dtype), lse.to(self.lse_dtype)
 
-    def attend_prefix(self, layer: int, prefix_pass: tuple[Any, torch.Tensor], q_TQD: torch.Tensor,
-                      k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, out_TQD: torch.Tensor,
-                      lse_TQ: torch.Tensor, extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared prefixes' pass merged into the suffix pass's rows (natural-log LSE): eager and graphed alike."""
-        prefix_md, rows = prefix_pass
-        p_out, p_lse = self.impl.forward(layer, q_TQD[rows], k_TKD[rows], v_TKD[rows], kv_cache, prefix_md, **extra)
-        return merge_prefix_rows(out_TQD, lse_TQ, rows, p_out, to_natural_lse(p_lse.to(self.lse_dtype),
-                                                                              self.backend.lse_base))
+    def attend_prefix(self, layer: int, prefix_pass: PrefixPass, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
+                      v_TKD: torch.Tensor, kv_cache: torch.Tensor, out_TQD: torch.Tensor, lse_TQ: torch.Tensor,
+                      extra: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefixes' pass merged into the suffix pass's rows of ``out_TQD`` / natural-log ``lse_TQ`` in
+        place (returns them): eager and graphed alike. One merge per layer either way (the backend's own, or
+        merge_prefix_rows of its output)."""
+        rows = prefix_pass.rows
+        if prefix_pass.into_rows:   # TRITON: its split partials and the suffix partial in one merge, q read in place
+            self.impl.attend_into_rows(layer, q_TQD, kv_cache, prefix_pass.plan, rows, out_TQD, lse_TQ, **extra)
+            return out_TQD, lse_TQ
+        r = rows.numel()
+        q = q_TQD.index_select(0, rows) if prefix_pass.q_start is None else q_TQD.narrow(0, prefix_pass.q_start, r)
+        # The pass writes nothing (its slots are all PAD), so any R rows of k / v serve: views, not gathers.
+        p_out, p_lse = self.impl.forward(layer, q, k_TKD.narrow(0, 0, r), v_TKD.narrow(0, 0, r), kv_cache,
+                                         prefix_pass.plan, **extra)
+        return merge_prefix_rows(out_TQD, lse_TQ, rows, p_out, p_lse, self.backend.lse_base)
 

@@ -100,3 +100,34 @@ def test_cascade_decode_steps_replay_captured_graphs(num_shards, interleave):
         assert replayed >= steps - 1 and len(keys) == 1   # the first step may copy on write (eager)
         for layer in range(2):
             assert torch.equal(eager.kv_caches[layer], graphed.kv_caches[layer])
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_merge_into_rows_on_the_gpu(n, dtype):
+    """merge_triton's INTO mode on the GPU (bf16 is not in the interpreter): N split partials (unrolled up to 16,
+    looped past) into random rows that hold the suffix partial, empty partials and rows included, vs float64."""
+    import math
+
+    from cpattn.attention import merge_attn_states
+    from cpattn.attention.merge_triton import merge_into_rows_triton
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    t, r = 40, 16
+    outs = torch.randn(n, r, HQ, D, generator=g, device="cuda")
+    lses = torch.randn(n, r, HQ, generator=g, device="cuda") * 4
+    lses[0, :3] = -math.inf
+    out = torch.randn(t, HQ, D, generator=g, device="cuda").to(dtype)
+    lse = torch.randn(t, HQ, generator=g, device="cuda") * 4
+    rows = torch.randperm(t, generator=g, device="cuda")[:r]
+    lse[rows[1]] = -math.inf
+    ref_out, ref_lse = merge_attn_states(torch.cat([out[rows][None].double(), outs.double()]),
+                                         torch.cat([lse[rows][None].double(), lses.double()]))
+    untouched = out.clone()
+    merge_into_rows_triton(outs, lses, out, lse, rows)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[rows].double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[rows].double(), ref_lse, atol=1e-5, rtol=1e-5)
+    others = torch.ones(t, dtype=torch.bool, device="cuda")
+    others[rows] = False
+    assert torch.equal(out[others], untouched[others])

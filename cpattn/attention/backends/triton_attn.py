@@ -18,7 +18,8 @@ from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, Atte
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.ops.partials import unattended_rows
-from cpattn.attention.backends.triton_query_groups import attend_query_groups, max_queries, plan_query_groups
+from cpattn.attention.backends.triton_query_groups import (attend_query_groups, into_step_rows, max_queries,
+                                                          plan_query_groups)
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import MultipleOf
 
@@ -120,6 +121,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             causal=common.causal, window_starts=window_starts,
             query_groups=plan_query_groups(qsl, q_lens, seq, grouped, self.spec.num_kv_heads, dev) if grouped else [])
 
+    def into_step_rows(self, md: TritonAttentionMetadata, rows_R: torch.Tensor) -> TritonAttentionMetadata | None:
+        """A cascade's prefix pass (``md``, over the step's rows ``rows_R``, CPU) planned to merge into the suffix
+        pass's rows itself (TritonAttentionImpl.attend_into_rows); None unless the pass is query groups only."""
+        if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts or md.has_writes:
+            return None
+        return dataclasses.replace(md, query_groups=into_step_rows(md.query_groups, rows_R, md.block_table.device))
 
     # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
     def graph_key(self, md: TritonAttentionMetadata) -> tuple | None:
@@ -133,7 +140,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         if not md.decode_only:
             if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts:
                 return None
-            groups = tuple((g.n, g.req.numel(), g.splits, g.all_rows) for g in md.query_groups)
+            groups = tuple((g.n, g.req.numel(), g.splits, g.all_rows, g.out_rows is not None, g.q_step_rows)
+                           for g in md.query_groups)
             return md.num_tokens, ("groups", md.has_writes, *groups), width
         splits = md.num_splits
         if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)
@@ -151,7 +159,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             dec_tok=md.dec_tok.clone(), dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone(),
             window_starts={w: (a.clone(), b.clone(), n) for w, (a, b, n) in md.window_starts.items()},
             query_groups=[dataclasses.replace(g, first_tok=g.first_tok.clone(), req=g.req.clone(),
-                                              kv_len=g.kv_len.clone()) for g in md.query_groups])
+                                              kv_len=g.kv_len.clone(),
+                                              out_rows=None if g.out_rows is None else g.out_rows.clone())
+                          for g in md.query_groups])
 
     def refill(self, static: TritonAttentionMetadata, md: TritonAttentionMetadata) -> None:
         """This step's values into the graph's buffers. Columns past the step's width keep stale page ids:
@@ -166,6 +176,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             kept.first_tok.copy_(grp.first_tok)
             kept.req.copy_(grp.req)
             kept.kv_len.copy_(grp.kv_len)
+            if kept.out_rows is not None:
+                kept.out_rows.copy_(grp.out_rows)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -192,6 +204,13 @@ class TritonAttentionImpl(AttentionImpl):
         attend_query_groups(md.query_groups, q_TQD, k_cache, v_cache, md.block_table, self.spec.scale, out, lse,
                             **features)
         return out, lse
+
+    def attend_into_rows(self, layer, q_TQD, kv_cache, attn_metadata, rows_R, out_TQD, lse_TQ, kv_scale=None):
+        """A prefix pass of ``TritonMetadataBuilder.into_step_rows`` over the step's q, merged into the step's rows
+        ``rows_R`` of ``out_TQD`` / natural-log ``lse_TQ`` in place: per query group its kernel and one merge."""
+        md: TritonAttentionMetadata = attn_metadata
+        attend_query_groups(md.query_groups, q_TQD, kv_cache[0], kv_cache[1], md.block_table, self.spec.scale, out_TQD,
+                            lse_TQ, rows_R=rows_R, kv_scale=kv_scale, soft_cap=self.spec.soft_cap(layer))
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         if not q_TQD.is_cuda and not _interpreting():

@@ -182,16 +182,18 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  tok_idx: torch.Tensor, req_idx: torch.Tensor, kv_lens: torch.Tensor, splits: int,
                  scale: float, out_TQD: torch.Tensor, lse_TQ: torch.Tensor, all_rows: bool = False,
                  key_start: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None,
-                 soft_cap: float | None = None, queries: int = 1) -> None:
+                 soft_cap: float | None = None, queries: int = 1, into_rows: torch.Tensor | None = None) -> None:
     """Flash-decoding for the tokens ``tok_idx`` (each sees its first ``kv_lens`` keys of request
     ``req_idx``); writes rows ``tok_idx`` of ``out_TQD`` / ``lse_TQ`` (natural log).
     ``all_rows``: the rows written are 0 .. T-1 in order (a decode-only step; a query group covering the step).
     ``key_start`` (int32, one per decode): a sliding window's first visible key (keys before it are not read).
     ``kv_scale`` [2, scale pages, K] float32: an fp8 cache's per-page scales. ``soft_cap``: s -> cap tanh(s / cap).
     ``queries``: each ``tok_idx`` entry is the first of that many consecutive rows of one request that see the same
-    keys (a context pass's query group, triton_query_groups.py): all their rows x G heads share each program."""
+    keys (a context pass's query group, triton_query_groups.py): all their rows x G heads share each program.
+    ``into_rows`` (int64, one per row written, queries included): the split partials merge into those rows of
+    ``out_TQD`` / ``lse_TQ``, which hold another partial (a cascade's suffix pass), in the one merge launch."""
     from cpattn.attention.ops.lse import LseBase
-    from cpattn.attention.merge_triton import merge_attn_states_triton
+    from cpattn.attention.merge_triton import merge_attn_states_triton, merge_into_rows_triton
 
     num_tok = tok_idx.numel()
     if num_tok == 0:
@@ -216,7 +218,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  kv_lens if key_start is None else key_start, ks, vs)
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
-    if splits == 1:
+    if splits == 1 and into_rows is None:
         _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
                                    0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
                                    *logit_args, DIRECT=True, **common)
@@ -228,7 +230,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                                part_lse.stride(0), part_lse.stride(1),
                                *logit_args, DIRECT=False, **common)
-    if all_rows:
+    if into_rows is not None:
+        merge_into_rows_triton(part_out, part_lse, out_TQD, lse_TQ, into_rows, LseBase.E)
+    elif all_rows:
         # The rows are 0 .. T-1 in order: the merge writes the output in place.
         merge_attn_states_triton(part_out, part_lse, LseBase.E, out=out_TQD, out_lse=lse_TQ)
     else:

@@ -11,6 +11,7 @@ update in FlashAttention / ring attention).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -69,14 +70,40 @@ def apply_sinks(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, sinks_Q: torch.Tens
 
 def merge_partials(outs_NTHD: torch.Tensor | list[torch.Tensor], lses_NTH: torch.Tensor | list[torch.Tensor],
                    lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
-    """The service's merge: the Triton kernel for CUDA 16/32-bit tensors, ``merge_attn_states`` otherwise."""
+    """The service's merge: the Triton kernel for CUDA 16/32-bit tensors (and under Triton's interpreter, so CPU
+    tests run the GPU's path), ``merge_attn_states`` otherwise."""
     first = outs_NTHD[0] if isinstance(outs_NTHD, (list, tuple)) else outs_NTHD
-    if first.is_cuda and first.dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_available():
+    if (first.is_cuda or _interpreting()) and first.dtype in (torch.float16, torch.bfloat16, torch.float32) and _triton_available():
         # The kernel module sits beside this floor and imports only from it (ops.lse, errors).
         from cpattn.attention.merge_triton import merge_attn_states_triton
 
         return merge_attn_states_triton(outs_NTHD, lses_NTH, lse_base)
     return merge_attn_states(outs_NTHD, lses_NTH, lse_base)
+
+
+def merge_into_rows(out_TQD: torch.Tensor, lse_TQ: torch.Tensor, rows_R: torch.Tensor, outs_NRQD: torch.Tensor,
+                    lses_NRQ: torch.Tensor, lse_base: LseBase = LseBase.E) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge N partials of R rows into rows ``rows_R`` (distinct) of ``out_TQD`` / ``lse_TQ`` (natural log), which
+    hold one more partial over other keys; in place, and returns them. ``lse_base``: the N partials' base. On a GPU
+    one launch (merge_triton.merge_into_rows_triton) where gather, stack, merge and scatter took ~8."""
+    if (out_TQD.is_cuda or _interpreting()) and out_TQD.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+            and lse_TQ.dtype == torch.float32 and _triton_available():
+        from cpattn.attention.merge_triton import merge_into_rows_triton
+
+        merge_into_rows_triton(outs_NRQD, lses_NRQ, out_TQD, lse_TQ, rows_R, lse_base)
+        return out_TQD, lse_TQ
+    outs, lses = stack_partials(outs_NRQD, lses_NRQ, "merge_into_rows")
+    o_dtype, l_dtype = torch.promote_types(out_TQD.dtype, outs.dtype), torch.promote_types(lse_TQ.dtype, lses.dtype)
+    merged, merged_lse = merge_attn_states(
+        torch.cat([out_TQD.index_select(0, rows_R)[None].to(o_dtype), outs.to(o_dtype)]),
+        torch.cat([lse_TQ.index_select(0, rows_R)[None].to(l_dtype), to_natural_lse(lses.to(l_dtype), lse_base)]))
+    out_TQD.index_copy_(0, rows_R, merged.to(out_TQD.dtype))
+    lse_TQ.index_copy_(0, rows_R, merged_lse.to(lse_TQ.dtype))
+    return out_TQD, lse_TQ
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _triton_available() -> bool:
