@@ -114,13 +114,20 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    v_top = 1.0
+    if FP8 and q.dtype == tl.float16:
+        # float16 dots (F16_DOT, float16 models): V's scales over the tile's largest (powers of two <= 1), that
+        # largest applied to the PV dot's float32 result: p * scale alone leaves float16's range for small page scales
+        # (p * 2^-20 underflows; tests/test_triton_decode_heads_interpret.py's far-apart scales).
+        v_top = tl.max(v_scale, 0)
+        v_scale = v_scale / tl.where(v_top > 0.0, v_top, 1.0)
     if FP8 and V_SCALED:
         v_dot = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     else:
         v_dot = v.to(q.dtype)
         if FP8:
             p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot) * v_top
     return acc, m_new, l_i
 
 
