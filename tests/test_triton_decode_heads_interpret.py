@@ -131,6 +131,28 @@ def test_small_v_scales_keep_f16_dots_in_range(cfg):
     _check(_decode(cfg, q, cache, scales, table, LENS, 4), ref, range(len(LENS)))
 
 
+@pytest.mark.parametrize("cfg", [dict(HEADS[1], block_n=32), dict(block_n=32, fp8_f16_dot=True)],
+                         ids=["heads", "one_head"])
+@pytest.mark.parametrize("magnitude, cap", [(2.0 ** 20, None), (2.0 ** -24, 5.0)])
+def test_f16_dots_hold_queries_beyond_float16(cfg, magnitude, cap):
+    """float32 queries of magnitude 2^20 (float16 overflows: inf, NaN outputs) or 2^-24 (float16 flushes them) with f16
+    dots (triton_tiles.f16_query scales each row by a power of two and its logit scale back); the softmax scale divided
+    by the magnitude keeps the logits O(1); float16 values times a power of two, so float16 holds them exactly."""
+    q, cache, scales, exact, table = _case("fp8_e4m3", seed=6)
+    q = q.float() * magnitude
+    scale = D ** -0.5 / magnitude
+    old = triton_decode.DECODE_CONFIG
+    triton_decode.DECODE_CONFIG = dict(old, min_tiles=1, **cfg)
+    try:
+        idx = torch.arange(len(LENS), dtype=torch.int32)
+        out, lse = torch.zeros(q.shape), torch.zeros(q.shape[:2])
+        triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx, torch.tensor(LENS, dtype=torch.int32), 4,
+                                   scale, out, lse, all_rows=True, kv_scale=scales, soft_cap=cap)
+    finally:
+        triton_decode.DECODE_CONFIG = old
+    _check((out.double(), lse.double()), _reference(q, exact, table, LENS, None, cap, scale), range(len(LENS)))
+
+
 def test_heads_per_program_falls_back_where_tiles_cannot_start_on_pages():
     from cpattn.attention.backends.triton_decode_heads import heads_per_program
 

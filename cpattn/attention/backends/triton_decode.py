@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from cpattn.attention.backends.triton_decode_heads import heads_per_program, launch_heads
-from cpattn.attention.backends.triton_tiles import feature_args, kv_tile, kv_tile_pages, online_softmax_tile
+from cpattn.attention.backends.triton_tiles import (f16_query, feature_args, kv_tile, kv_tile_pages,
+                                                    online_softmax_tile)
 
 
 @triton.jit
@@ -81,9 +82,9 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + (tok + row_q)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if FP8 and F16_DOT:
-        # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 is not (the fp8 read
-        # is bound by that conversion, benchmarks/RESULTS.md); q must stay within float16's range.
-        q = q.to(tl.float16)
+        # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 three (the fp8 read
+        # is bound by that conversion, benchmarks/RESULTS.md); q's rows scaled into float16's range (f16_query).
+        q, scale_log2, cap_in = f16_query(q, scale_log2, cap_in, 1)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

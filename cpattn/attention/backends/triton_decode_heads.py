@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cpattn.attention.backends.triton_tiles import f16_query
+
 
 @triton.jit
 def _heads_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, first, end, kh,
@@ -106,8 +108,8 @@ def _paged_decode_heads_kernel(
     q_mask = g_mask[None, :, None] & d_mask[None, None, :]
     q = tl.load(q_ptr + tok * stride_qt + heads[:, :, None] * stride_qh + offs_d[None, None, :], mask=q_mask,
                 other=0.0)
-    if FP8 and F16_DOT:
-        q = q.to(tl.float16)   # fp8 -> f16 is one cvt per two values, fp8 -> bf16 three (triton_tiles.py)
+    if FP8 and F16_DOT:   # fp8 -> f16 is one cvt per two values, fp8 -> bf16 three; rows scaled into f16's range
+        q, scale_log2, cap_in = f16_query(q, scale_log2, cap_in, 2)
 
     m_i = tl.full([H, BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([H, BLOCK_G], tl.float32)

@@ -131,6 +131,23 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     return acc, m_new, l_i
 
 
+@triton.jit
+def f16_query(q, scale_log2, cap_in, AXIS: tl.constexpr):
+    """q in float16 for an fp8 cache's float16 dots (F16_DOT) and the logit scales that undo its row scaling.
+
+    Each row (D along ``AXIS``) is multiplied by a power of two that puts its largest |value| in [2^13, 2^14), so
+    float16 holds any finite bf16 query (bf16's 7 mantissa bits fit float16's 10; only entries 2^38 below their row's
+    largest reach float16's subnormals); scale_log2 and cap_in come back per row ([rows, 1]) divided by the same power
+    of two, so the logits are unchanged (both exact: powers of two). Without it a row beyond 65504 would overflow."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), AXIS)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF                    # amax in [2^(e-127), 2^(e-126))
+    up = tl.minimum(tl.maximum(267 - e, 1), 253)                           # 2^(140 - e): biased exponent, clamped
+    grow = (up << 23).to(tl.float32, bitcast=True)
+    undo = ((254 - up) << 23).to(tl.float32, bitcast=True)                 # 1 / grow, exactly
+    q16 = (q.to(tl.float32) * tl.expand_dims(grow, AXIS)).to(tl.float16)
+    return q16, scale_log2 * tl.expand_dims(undo, AXIS), cap_in * tl.expand_dims(undo, AXIS)
+
+
 def feature_args(kv_scale: torch.Tensor | None, soft_cap: float | None, scale: float, num_kernel_pages: int,
                  fallback: torch.Tensor) -> tuple[tuple, dict]:
     """(ks, vs, stride_sp, scale_div) and (scale_log2, cap_in, cap_out) plus the FP8 / SOFTCAP flags."""
