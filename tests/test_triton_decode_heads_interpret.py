@@ -70,8 +70,9 @@ def _decode(cfg: dict, q, cache, scales, table, lens, splits, starts=None, cap=N
     try:
         toks = list(range(len(lens))) if rows is None else rows
         idx = torch.tensor(toks, dtype=torch.int32)
-        out = torch.zeros(q.shape, dtype=torch.float32)   # float32 rows: the V-scale test's outputs are ~2^-20
-        lse = torch.zeros(q.shape[:2])
+        # NaN-poisoned, float32 rows (the V-scale test's outputs are ~2^-20): every row checked must be written
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32)
+        lse = torch.full(q.shape[:2], float("nan"))
         key_start = None if starts is None else torch.tensor([starts[t] for t in toks], dtype=torch.int32)
         triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx,
                                    torch.tensor([lens[t] for t in toks], dtype=torch.int32), splits, D ** -0.5,
@@ -117,6 +118,7 @@ def test_heads_kernel_windows_and_soft_cap(fmt):
     ref = _reference(q, exact, table, LENS, starts, 5.0, D ** -0.5)
     got = _decode(HEADS[0], q, cache, scales, table, LENS, 2, starts=starts, cap=5.0, rows=[0, 2, 3, 4])
     _check(got, ref, [0, 2, 3, 4])
+    assert got[0][1].isnan().all() and got[1][1].isnan().all()      # row 1 is not decoded: left alone
 
 
 @pytest.mark.parametrize("cfg", [dict(HEADS[1], block_n=32), dict(block_n=32), dict(block_n=32, page_tiles=True),
@@ -145,7 +147,7 @@ def test_f16_dots_hold_queries_beyond_float16(cfg, magnitude, cap):
     triton_decode.DECODE_CONFIG = dict(old, min_tiles=1, **cfg)
     try:
         idx = torch.arange(len(LENS), dtype=torch.int32)
-        out, lse = torch.zeros(q.shape), torch.zeros(q.shape[:2])
+        out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
         triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx, torch.tensor(LENS, dtype=torch.int32), 4,
                                    scale, out, lse, all_rows=True, kv_scale=scales, soft_cap=cap)
     finally:
