@@ -33,13 +33,10 @@ case "${1:-tests}" in
     echo "fp8-sweep $(( $(date +%s) - T0 ))s" ;;
   fp8-tests)
     timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs \
-      tests/gpu/test_decode_variants_gpu.py tests/gpu/test_backend_features_gpu.py -k "not FLASHINFER and not FLASH_ATTN" \
+      tests/gpu/test_decode_variants_gpu.py tests/gpu/test_backend_features_gpu.py \
+      -k "not FLASHINFER and not FLASH_ATTN" \
       --junitxml "$OUT/fp8_tests.xml" 2>&1 | tee "$OUT/fp8_tests.log" | grep -v -E "WARNING|NumPy|^\s*$" | tail -30
-    python3 -c "import json, sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot(); s = r if r.tag == 'testsuite' else r[0]
-cases = [dict(name=c.get('classname') + '::' + c.get('name'), s=float(c.get('time', 0)), outcome=next((x.tag for x in c if x.tag in ('failure', 'error', 'skipped')), 'passed'),
-              message=next(((x.get('message') or '')[:300] for x in c if x.tag != 'system-out'), '')) for c in s.iter('testcase')]
-json.dump(dict({k: int(s.get(k, 0)) for k in ('tests', 'failures', 'errors', 'skipped')}, cases=cases), open(sys.argv[2], 'w'), indent=1)" \
-      "$OUT/fp8_tests.xml" "$OUT/fp8_tests.json"
+    python3 benchmarks/junit_json.py "$OUT/fp8_tests.xml" "$OUT/fp8_tests.json"
     echo "fp8-tests $(( $(date +%s) - T0 ))s" ;;
   prefix-sweep)
     timeout "${LIMIT:-200}" python3 benchmarks/prefix_pass_sweep.py --seconds "${SECONDS_BUDGET:-100}" \

@@ -192,9 +192,10 @@ HEADS_TILINGS = ((16, 8, 3), (32, 8, 2), (16, 8, 2), (32, 8, 4), (64, 8, 2), (16
 
 def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = False) -> dict:
     """Staged search of CONFIG_OVERRIDES["fp8"]: variants at today's tiling, the heads kernel's candidates, then tilings
-    with the best variant, then split factors, each candidate timed at 1M and checked against float64; then today's and the four fastest at B=64
-    too (the last ~20 s of the budget). The winner: fastest at 1M among valid finalists no more than 5% slower than
-    today's fp8 configuration at B=64. ``first_only`` (--smoke): each stage's first candidate, whatever the budget."""
+    with the best variant, then split factors, each candidate timed at 1M and checked against float64; then today's
+    and the four fastest at B=64 too (the last ~20 s of the budget). The winner: fastest at 1M among valid finalists
+    no more than 5% slower than today's fp8 configuration at B=64. ``first_only`` (--smoke): each stage's first
+    candidate, whatever the budget."""
     budget = Budget(seconds)
     base = tk.decode_config()
     cases = {}
@@ -238,7 +239,8 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = F
 
     def stage(configs):   # screened at 1M only (one compile, one timing each); B=64 for the finalists
         for cfg in configs[:1] if first_only else configs:
-            if (rows and budget.left() < 20 and not first_only) or any(r["cfg"] == cfg for r in rows):   # today's always
+            over = rows and budget.left() < 20 and not first_only   # today's always runs
+            if over or any(r["cfg"] == cfg for r in rows):
                 continue
             stats = [st for jit in jits for st in new_kernel_stats(jit, seen)]
             rows.append(dict(try_candidate(measure, cfg), kernels=stats))

@@ -2,7 +2,8 @@
 f16 dots, V scaled first, tile lengths, split factors, H kv heads per program: triton_decode_heads.py) compile and match
 float64 on the GPU, bf16 and fp8 e4m3 (e5m2, windows, soft caps for the heads kernel), on decodes that split KV and on
 DCP context passes with query groups; tests/test_triton_decode_variants_interpret.py and
-tests/test_triton_decode_heads_interpret.py are the same checks through the interpreter. Whatever a sweep adopts is one of these.
+tests/test_triton_decode_heads_interpret.py are the same checks through the interpreter. Whatever a sweep adopts is
+one of these.
 Run: bash scripts/test_gpu.sh kernels
 """
 
