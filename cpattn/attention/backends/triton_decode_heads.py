@@ -16,6 +16,13 @@ per-warp work), and the loads are the page's H heads as one contiguous run per t
 16-token page, 16 KB of fp8, when H = K), with one block-table entry per page for all H heads (not one per key and
 head) and one [pages, H] vector of scales per tile. The split count grows H-fold so the grid keeps as many programs.
 
+The conversion (counts for 1M keys x 8 heads x D 128, K and V: 2.1G fp8 values; H200 conversions ~16 per clock per SM,
+~4.2T/s): fp8 -> bf16 is three cvt per two values (>= 0.75 ms: the goal, ~0.6 ms, is out of reach with bf16 dots),
+fp8 -> f16 one (~0.25 ms), so the candidates mostly take f16 dots (F16_DOT, made range-safe by
+triton_tiles.f16_query). An integer bit trick instead of cvt (idea (c) of issue 22) was weighed and not built: in
+per-value Triton code it costs ~4-5 integer ops per value (64 per clock per SM), no cheaper than the f16 cvt; to bf16
+it maps e4m3 onto 2^-120-scaled bf16 whose subnormals and products the dots may flush.
+
 fp8 V scales: the probabilities are multiplied by each page's V scale over the tile's largest (a power of two <= 1)
 and the PV dot's result by that largest scale in float32, so a cache whose V scales are all tiny or all huge keeps
 f16 dots (F16_DOT) in range; only pages whose scale is 2^14 below their tile's largest lose low probability bits.
