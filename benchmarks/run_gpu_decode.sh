@@ -5,6 +5,8 @@
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh bench   # benchmarks/cp_scaling.py (GPUS=1,2 CASES=...)
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-sweep     # issue 22: CONFIG_OVERRIDES["fp8"], ~2 min, 1 GPU
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh prefix-sweep  # issue 24: CONFIG_OVERRIDES["query_groups"], ~2 min
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-tests     # issue 22: every fp8 sweep candidate (the heads kernel
+#                                                                # too) and TRITON's features vs float64; fp8_tests.json
 set -u
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1
@@ -29,6 +31,13 @@ case "${1:-tests}" in
     timeout "${LIMIT:-200}" python3 benchmarks/triton_decode_sweep.py --fp8-sweep --seconds "${SECONDS_BUDGET:-100}" \
       --json "$OUT/triton_fp8_sweep.json" 2>&1 | tee "$OUT/triton_fp8_sweep.log" | grep -v -E "WARNING|NumPy" | tail -40
     echo "fp8-sweep $(( $(date +%s) - T0 ))s" ;;
+  fp8-tests)
+    timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs \
+      tests/gpu/test_decode_variants_gpu.py tests/gpu/test_backend_features_gpu.py \
+      -k "not FLASHINFER and not FLASH_ATTN" \
+      --junitxml "$OUT/fp8_tests.xml" 2>&1 | tee "$OUT/fp8_tests.log" | grep -v -E "WARNING|NumPy|^\s*$" | tail -30
+    python3 benchmarks/junit_json.py "$OUT/fp8_tests.xml" "$OUT/fp8_tests.json"
+    echo "fp8-tests $(( $(date +%s) - T0 ))s" ;;
   prefix-sweep)
     timeout "${LIMIT:-200}" python3 benchmarks/prefix_pass_sweep.py --seconds "${SECONDS_BUDGET:-100}" \
       --json "$OUT/prefix_pass_sweep.json" 2>&1 | tee "$OUT/prefix_pass_sweep.log" | grep -v -E "WARNING|NumPy" | tail -40

@@ -11,10 +11,11 @@ default configuration (fp8 e4m3 <= 0.6x bf16, a 4,096-key window <= 0.05 ms), an
 
     python benchmarks/triton_decode_sweep.py --fp8-sweep [--seconds 100] [--json PATH]
 The fp8 cache's own configuration (triton_decode.CONFIG_OVERRIDES["fp8"]): kernel variants (page-wise tile loads,
-prefetch, float16 dots), tilings and split factors, staged within ``--seconds``, at B=1 over 1M keys and B=64 over
-32K keys (outlier data, each candidate checked against float64: rel < 1e-1), against the bf16 kernel's time on the
-same data. Prints the winner, its ratio to bf16 and the line to paste; writes triton_fp8_sweep.json. With
-``--smoke`` (and TRITON_INTERPRET=1, no GPU): every path at tiny shapes on the CPU, 30 s.
+prefetch, float16 dots, V scaled first; then triton_decode_heads.py's H kv heads per program), tilings and split
+factors, staged within ``--seconds``, at B=1 over 1M keys and B=64 over 32K keys (outlier data, each candidate checked
+against float64: rel < 1e-1), against the bf16 kernel's time on the same data. Prints the winner, its ratio to bf16
+and the line to paste; writes triton_fp8_sweep.json. With ``--smoke`` (and TRITON_INTERPRET=1, no GPU): the first
+candidate of every stage at tiny shapes on the CPU.
 """
 
 from __future__ import annotations
@@ -118,14 +119,14 @@ def main() -> int:
     parser.add_argument("--fp8-sweep", action="store_true", help="the fp8 cache's configuration (CONFIG_OVERRIDES)")
     parser.add_argument("--seconds", type=float, default=100.0, help="--fp8-sweep's wall-time budget")
     parser.add_argument("--smoke", action="store_true",
-                        help="--fp8-sweep at tiny shapes, 30 s (CPU, TRITON_INTERPRET=1)")
+                        help="--fp8-sweep at tiny shapes, each stage's first candidate (CPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
     from cpattn.attention.backends import triton_decode as tk
 
     dev = DEVICE
     if args.fp8_sweep or args.smoke:
         cases = (("b1_1m", 1, 1024), ("b64_32k", 4, 128)) if args.smoke else FP8_CASES
-        result = fp8_sweep(tk, dev, 30.0 if args.smoke else args.seconds, cases)
+        result = fp8_sweep(tk, dev, 30.0 if args.smoke else args.seconds, cases, first_only=args.smoke)
         _write(args.json or RESULTS / "triton_fp8_sweep.json", result)
         return 0
     base_cfg = dict(tk.DECODE_CONFIG)
@@ -178,13 +179,23 @@ def _write(path, result: dict) -> None:
 
 FP8_CASES = (("b1_1m", 1, 1 << 20), ("b64_32k", 64, 32768))
 """(name, requests, keys each): issue 22's goal case and a batched one (no regression there)."""
+HEADS_CANDIDATES = ((8, 16, 8, 4, True), (8, 32, 8, 3, True), (4, 32, 4, 3, True), (4, 64, 4, 2, True),
+                    (8, 16, 8, 4, False))
+"""triton_decode_heads.py's kernel: (kv heads per program, keys per tile, warps, stages, f16 dots). One warp per head
+(warps = H): a whole 16-key page of all 8 heads (16 KB fp8) or two per tile; or 4 heads, 2-4 pages a tile, two
+programs per SM; f16 dots (one cvt per two fp8 values; bf16 needs three: >= 0.75 ms of conversions at 1M) but one."""
+ONE_HEAD_TILINGS = ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3),
+                    (128, 8, 3), (64, 2, 2))
+HEADS_TILINGS = ((16, 8, 3), (32, 8, 2), (16, 8, 2), (32, 8, 4), (64, 8, 2), (16, 4, 4))
+"""(keys per tile, warps, stages) around the best variant: triton_decode's kernel, or the heads kernel's."""
 
 
-def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES) -> dict:
-    """Staged search of CONFIG_OVERRIDES["fp8"]: variants at today's tiling, then tilings with the best variant, then
-    split factors, each candidate timed at 1M and checked against float64; then today's and the four fastest at B=64
-    too (the last ~20 s of the budget). The winner: fastest at 1M among valid finalists no more than 5% slower than
-    today's fp8 configuration at B=64."""
+def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = False) -> dict:
+    """Staged search of CONFIG_OVERRIDES["fp8"]: variants at today's tiling, the heads kernel's candidates, then tilings
+    with the best variant, then split factors, each candidate timed at 1M and checked against float64; then today's
+    and the four fastest at B=64 too (the last ~20 s of the budget). The winner: fastest at 1M among valid finalists
+    no more than 5% slower than today's fp8 configuration at B=64. ``first_only`` (--smoke): each stage's first
+    candidate, whatever the budget."""
     budget = Budget(seconds)
     base = tk.decode_config()
     cases = {}
@@ -221,13 +232,18 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES) -> dict:
         return row
 
     rows, seen = [], set()
-    new_kernel_stats(tk._paged_decode_kernel, seen)
+    from cpattn.attention.backends.triton_decode_heads import _paged_decode_heads_kernel
+    jits = (tk._paged_decode_kernel, _paged_decode_heads_kernel)
+    for jit in jits:
+        new_kernel_stats(jit, seen)
 
     def stage(configs):   # screened at 1M only (one compile, one timing each); B=64 for the finalists
-        for cfg in configs:
-            if (rows and budget.left() < 20) or any(r["cfg"] == cfg for r in rows):   # today's always
+        for cfg in configs[:1] if first_only else configs:
+            over = rows and budget.left() < 20 and not first_only   # today's always runs
+            if over or any(r["cfg"] == cfg for r in rows):
                 continue
-            rows.append(dict(try_candidate(measure, cfg), kernels=new_kernel_stats(tk._paged_decode_kernel, seen)))
+            stats = [st for jit in jits for st in new_kernel_stats(jit, seen)]
+            rows.append(dict(try_candidate(measure, cfg), kernels=stats))
             print("   ", _fp8_row_text(rows[-1]), rows[-1]["kernels"], f"[{budget.elapsed():.0f} s]", flush=True)
 
     def best(finalists: bool = False) -> dict:
@@ -238,13 +254,19 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES) -> dict:
             ok = [r for r in ok if r["b64_32k_ms"] <= limit]
         return min(ok, key=lambda r: r["b1_1m_ms"]) if ok else dict(cfg=base)
 
-    stage([base] + [dict(base, page_tiles=p, fp8_v_scaled=v, fp8_f16_dot=h)
-                    for p, v, h in itertools.product((False, True), repeat=3)])
-    stage([dict(best()["cfg"], prefetch=True)])
-    flags = {k: best()["cfg"][k] for k in ("page_tiles", "prefetch", "fp8_f16_dot", "fp8_v_scaled")}
+    # f16-dot variants first: fp8 -> bf16 costs three cvt per two values (>= 0.75 ms at 1M: triton_decode_heads.py),
+    # so the bf16-dot ones, least likely to meet the goal, come after the heads kernel's when the budget runs short
+    variants = [dict(base, page_tiles=p, fp8_v_scaled=v, fp8_f16_dot=h)
+                for h, p, v in itertools.product((True, False), repeat=3)]
+    stage([base] + [c for c in variants if c["fp8_f16_dot"]])
+    stage([dict(base, heads_per_program=h, block_n=n, num_warps=w, num_stages=st, fp8_f16_dot=f16)
+           for h, n, w, st, f16 in HEADS_CANDIDATES])
+    stage([c for c in variants if not c["fp8_f16_dot"]])
+    stage([dict(best()["cfg"], prefetch=True)] if not best()["cfg"]["heads_per_program"] else [])
+    flags = {k: best()["cfg"][k]
+             for k in ("page_tiles", "prefetch", "fp8_f16_dot", "fp8_v_scaled", "heads_per_program")}
     stage([dict(base, **flags, block_n=n, num_warps=w, num_stages=st)
-           for n, w, st in ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2),
-                            (64, 4, 3), (128, 8, 3), (64, 2, 2))])
+           for n, w, st in (HEADS_TILINGS if flags["heads_per_program"] else ONE_HEAD_TILINGS)])
     top = best()["cfg"]
     stage([dict(top, split_factor=f) for f in (2, 0.5, 4)] + [dict(top, num_stages=1)])
     screened = sorted((r for r in rows if r.get("valid")), key=lambda r: r["b1_1m_ms"])
@@ -271,7 +293,7 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES) -> dict:
 
 def _fp8_row_text(row: dict) -> str:
     cfg = {k: row["cfg"][k] for k in ("block_n", "num_warps", "num_stages", "page_tiles", "prefetch", "fp8_f16_dot",
-                                      "fp8_v_scaled", "split_factor")}
+                                      "fp8_v_scaled", "split_factor", "heads_per_program")}
     if "error" in row:
         return f"{cfg} error {row['error']}"
     if "b1_1m_ms" not in row:

@@ -35,6 +35,8 @@ VARIANTS = {
     "split_half": dict(split_factor=0.5, page_tiles=True),
     "v_scaled": dict(fp8_v_scaled=True, page_tiles=True),
     "v_scaled_f16": dict(fp8_v_scaled=True, fp8_f16_dot=True, prefetch=True),
+    # triton_decode_heads.py (fp8 decodes; the query groups keep the one-head kernel): both kv heads in one program
+    "heads_f16": dict(heads_per_program=8, block_n=32, num_warps=2, fp8_f16_dot=True),
 }
 
 

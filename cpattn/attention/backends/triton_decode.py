@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cpattn.attention.backends.triton_tiles import feature_args, kv_tile, kv_tile_pages, online_softmax_tile
+from cpattn.attention.backends.triton_decode_heads import heads_per_program, launch_heads
+from cpattn.attention.backends.triton_tiles import (f16_query, feature_args, kv_tile, kv_tile_pages,
+                                                    online_softmax_tile)
 
 
 @triton.jit
@@ -80,9 +82,9 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + (tok + row_q)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if FP8 and F16_DOT:
-        # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 is not (the fp8 read
-        # is bound by that conversion, benchmarks/RESULTS.md); q must stay within float16's range.
-        q = q.to(tl.float16)
+        # The dots in float16: fp8 -> f16 is one instruction per pair on SM89+, fp8 -> bf16 three (the fp8 read
+        # is bound by that conversion, benchmarks/RESULTS.md); q's rows scaled into float16's range (f16_query).
+        q, scale_log2, cap_in = f16_query(q, scale_log2, cap_in, 1)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -133,9 +135,11 @@ def _num_sms(device: torch.device) -> int:
 # dots in float16 instead of the activations' dtype; page_tiles: block-table entries and fp8 scales loaded once per
 # page, not per key (tiles start on pages; not under windows); prefetch: the next tile's loads issued before this
 # tile's math; split_factor: S times this at launch (the plan's S is chosen before the cache dtype is known);
-# fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED).
+# fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED);
+# heads_per_program: H > 0 runs triton_decode_heads.py's kernel (H kv heads per program, 3-D tiles, one warp per head
+# when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel.
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
-                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False)
+                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -205,7 +209,8 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(d)
     cfg = decode_config(fp8=kv_scale is not None, query_groups=queries > 1)
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
-    splits = launch_splits(splits, cfg)
+    heads = heads_per_program(cfg, hk, ps, block_n, queries)
+    splits = launch_splits(splits * max(heads, 1), cfg)   # as many programs as the one-head grid's
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
@@ -219,6 +224,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
     if splits == 1 and into_rows is None:
+        if heads:
+            launch_heads(heads, splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
+            return
         _paged_decode_kernel[grid](*args_head, out_TQD, lse_TQ, *strides_in,
                                    0, out_TQD.stride(0), out_TQD.stride(1), 0, lse_TQ.stride(0),
                                    *logit_args, DIRECT=True, **common)
@@ -226,10 +234,13 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows_out = num_tok * queries
     part_out = torch.empty(splits, rows_out, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, rows_out, hq, dtype=torch.float32, device=q_TQD.device)
-    _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
-                               part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                               part_lse.stride(0), part_lse.stride(1),
-                               *logit_args, DIRECT=False, **common)
+    if heads:
+        launch_heads(heads, splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
+    else:
+        _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,
+                                   part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                                   part_lse.stride(0), part_lse.stride(1),
+                                   *logit_args, DIRECT=False, **common)
     if into_rows is not None:
         merge_into_rows_triton(part_out, part_lse, out_TQD, lse_TQ, into_rows, LseBase.E)
     elif all_rows:

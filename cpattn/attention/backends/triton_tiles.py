@@ -114,14 +114,38 @@ def online_softmax_tile(q, k, v, k_scale, v_scale, visible, acc, m_i, l_i, scale
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    v_top = 1.0
+    if FP8 and q.dtype == tl.float16:
+        # float16 dots (F16_DOT, float16 models): V's scales over the tile's largest (powers of two <= 1), that
+        # largest applied to the PV dot's float32 result: p * scale alone leaves float16's range for small page scales
+        # (p * 2^-20 underflows; tests/test_triton_decode_heads_interpret.py's far-apart scales).
+        v_top = tl.max(v_scale, 0)
+        v_scale = v_scale / tl.where(v_top > 0.0, v_top, 1.0)
     if FP8 and V_SCALED:
         v_dot = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     else:
         v_dot = v.to(q.dtype)
         if FP8:
             p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_dot) * v_top
     return acc, m_new, l_i
+
+
+@triton.jit
+def f16_query(q, scale_log2, cap_in, AXIS: tl.constexpr):
+    """q in float16 for an fp8 cache's float16 dots (F16_DOT) and the logit scales that undo its row scaling.
+
+    Each row (D along ``AXIS``) is multiplied by a power of two that puts its largest |value| in [2^13, 2^14), so
+    float16 holds any finite bf16 query (bf16's 7 mantissa bits fit float16's 10; only entries 2^38 below their row's
+    largest reach float16's subnormals); scale_log2 and cap_in come back per row ([rows, 1]) divided by the same power
+    of two, so the logits are unchanged (both exact: powers of two). Without it a row beyond 65504 would overflow."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), AXIS)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF                    # amax in [2^(e-127), 2^(e-126))
+    up = tl.minimum(tl.maximum(267 - e, 1), 253)                           # 2^(140 - e): biased exponent, clamped
+    grow = (up << 23).to(tl.float32, bitcast=True)
+    undo = ((254 - up) << 23).to(tl.float32, bitcast=True)                 # 1 / grow, exactly
+    q16 = (q.to(tl.float32) * tl.expand_dims(grow, AXIS)).to(tl.float16)
+    return q16, scale_log2 * tl.expand_dims(undo, AXIS), cap_in * tl.expand_dims(undo, AXIS)
 
 
 def feature_args(kv_scale: torch.Tensor | None, soft_cap: float | None, scale: float, num_kernel_pages: int,
