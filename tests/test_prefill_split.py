@@ -138,3 +138,43 @@ def test_fp8_caches_written_from_compact_messages_read_back_within_the_format_er
         if j == 0:
             assert any(pl.new_tokens_only.compact for pl in svc.last_planned)
     assert err.value < ERROR_BOUND[fmt]
+
+
+def _compact_case(g, t=90):
+    """Random pieces over T tokens (token space), the rows a rank would get: (P3, q rows, kv rows, P4)."""
+    cuts = sorted(torch.randperm(t - 1, generator=g)[:5].add(1).tolist())
+    bounds = list(zip([0] + cuts, cuts + [t]))
+    pieces_P3 = torch.tensor([(qs, qe, max(0, qs - int(torch.randint(0, 30, (), generator=g))))
+                              for qs, qe in bounds[1::2]], dtype=torch.int64)
+    q_rows = torch.cat([torch.arange(qs, qe) for qs, qe, _ in pieces_P3.tolist()])
+    kv_mask = torch.rand(t, generator=g) < 0.3                  # tokens the rank stores
+    for qs, qe, ks in pieces_P3.tolist():
+        kv_mask[ks:qe] = True
+    kv_rows = kv_mask.nonzero().flatten()
+    cq = torch.searchsorted(q_rows, pieces_P3[:, 0].contiguous())
+    ck = torch.searchsorted(kv_rows, pieces_P3[:, 2].contiguous())
+    pieces_P4 = torch.stack([cq, cq + pieces_P3[:, 1] - pieces_P3[:, 0], ck, ck + pieces_P3[:, 1] - pieces_P3[:, 2]], 1)
+    return pieces_P3, q_rows, kv_rows, pieces_P4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_pieces_equal_the_token_space_reference_and_the_default_path(seed):
+    from cpattn.attention.backend import AttentionSpec
+    from cpattn.attention.backends.torch_ref import TorchAttentionImpl
+    from cpattn.attention.ops.reference import ragged_causal_attention, ragged_causal_pieces
+
+    g = torch.Generator().manual_seed(seed)
+    window, cap = [(None, None), (5, None), (None, 4.0), (11, 7.0)][seed]
+    q, k, v = (torch.randn(90, h, 8, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    pieces_P3, q_rows, kv_rows, pieces_P4 = _compact_case(g)
+    expected_out, expected_lse = ragged_causal_attention(q, k, v, pieces_P3, 0.3, window, cap)
+    got_out, got_lse = ragged_causal_pieces(q[q_rows], k[kv_rows], v[kv_rows], pieces_P4, 0.3, window, cap)
+    torch.testing.assert_close(got_out, expected_out[q_rows], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_lse, expected_lse[q_rows], atol=1e-12, rtol=1e-12)
+    # The default GPU path (q placed among its keys, TORCH's forward_new_tokens), run on the host here.
+    impl = TorchAttentionImpl(AttentionSpec(6, 2, 8, torch.float64, 4, sliding_windows=(window,),
+                                            logits_soft_caps=(cap,)))
+    out, lse = impl.causal_pieces_on_keys(q[q_rows], k[kv_rows], v[kv_rows], pieces_P4)
+    ref_out, ref_lse = ragged_causal_pieces(q[q_rows], k[kv_rows], v[kv_rows], pieces_P4, impl.spec.scale, window, cap)
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
