@@ -21,7 +21,7 @@ from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 
 
 class SplitService:
-    def __init__(self, cfg, local: tuple[int, ...] = (0,), flops_per_byte: float = 1.0):
+    def __init__(self, cfg, local: tuple[int, ...] = (0,), flops_per_byte: float = 1.0, wire: str = "per_rank"):
         threads = torch.get_num_threads()
         self.cfg = cfg
         self.workers = [ShardWorker(cfg, r) for r in range(cfg.num_shards)]
@@ -29,7 +29,7 @@ class SplitService:
         self.device = self.workers[0].device
         self.alloc = ShardedKVAllocator(cfg.num_shards, cfg.blocks_per_shard(), cfg.block_size,
                                         cfg.dcp_interleave, max_rows=4, replicas=cfg.kv_replicas)
-        self.local = tuple(local)
+        self.local, self.wire = tuple(local), wire
         self.cost = WireCost.of([r for r in range(cfg.num_shards) if r not in local], cfg.num_q_heads,
                                 cfg.num_kv_heads, cfg.head_size, cfg.torch_dtype.itemsize, flops_per_byte)
         self.rows, self.lens, self.step_id = [], [], 0
@@ -49,7 +49,7 @@ class SplitService:
                           row_window=cfg.row_window(), wire_cost=self.cost)
         t = plans[0].num_tokens
         select_wire(plans, self.local, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.torch_dtype.itemsize,
-                    "per_rank", "nccl")
+                    self.wire, "nccl")   # broadcast: every remote rank gets the step's q/k/v whole
         planned = [w.runner.plan(p, compact=r not in self.local and p.selected)
                    for r, (w, p) in enumerate(zip(self.workers, plans))]
         own = {r: OwnLayers(p, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.torch_dtype, self.device,

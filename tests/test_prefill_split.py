@@ -87,8 +87,9 @@ def _layers(cfg, t, g):
                   for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads)) for _ in range(cfg.num_layers)]
 
 
-CASES = [  # (shards, local, hq, hk, extra config, flops per byte)
+CASES = [  # (shards, local, hq, hk, extra config, flops per byte[, wire])
     (2, (0,), 4, 2, {}, 0.02),
+    (3, (0,), 4, 2, {"dcp_interleave": 2}, 0.02, "broadcast"),   # full q/k/v on remote ranks: no compact
     (3, (0,), 6, 1, {"dcp_interleave": 4}, 0.05),
     (5, (0, 1), 4, 4, {}, 0.01),
     (3, (1,), 4, 2, {"kv_replicas": 2}, 0.03),
@@ -99,9 +100,9 @@ CASES = [  # (shards, local, hq, hk, extra config, flops per byte)
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_split_prefills_with_compact_remote_ranks_match_float64(case):
-    n, local, hq, hk, extra, fpb = CASES[case]
+    n, local, hq, hk, extra, fpb, *wire = CASES[case]
     cfg = _config(n, hq, hk, **extra)
-    svc = SplitService(cfg, local, fpb)
+    svc = SplitService(cfg, local, fpb, *wire)
     g = torch.Generator().manual_seed(70 + case)
     a, b, c = svc.add(), svc.add(), svc.add()
     history, sinks = {}, [None, torch.randn(hq, generator=g, dtype=torch.float64)]
@@ -114,7 +115,8 @@ def test_split_prefills_with_compact_remote_ranks_match_float64(case):
             torch.testing.assert_close(o, e, atol=1e-10, rtol=1e-10, msg=f"step {j} layer {layer} of {request}")
         if j == 0:   # a fresh sequence: every remote rank with rows attended its message unexpanded
             for r, (p, pl) in enumerate(zip(svc.last_plans, svc.last_planned)):
-                assert pl.new_tokens_only is not None and pl.new_tokens_only.compact == (r not in local)
+                assert pl.new_tokens_only is not None
+                assert pl.new_tokens_only.compact == (r not in local and not wire)
                 if r not in local and fpb < 1:
                     assert p.num_rows and p.rows[0] > 0   # a remote rank's rows come after the client's
 
