@@ -23,6 +23,7 @@ import math
 import torch
 
 from cpattn.cluster.data_plane import CMD_ATTEND
+from cpattn.cluster.layer_runner import lse_wire_dtype
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.cluster.wire_messages import HEADER_BYTES, LayerMessage
 
@@ -219,6 +220,19 @@ def post_layer(plane, wire, remote: list[int], config, device: torch.device, com
             pack_own_message(header, message.q, message.k, message.v, q_rows, kv_rows))
     wire.sent_bytes += sum(m.numel() for m in own.values())
     return plane.send_own_layers(own)
+
+
+def post_partials(plane, wire, remote: list[int], config, device: torch.device) -> list:
+    """(rows, posted receive) of each remote shard that computes rows in the step (DataPlane.post_partial), in
+    rank order; ``plane.take_partial`` gives each one's out and LSE."""
+    posted = []
+    for i, r in enumerate(remote):
+        if r in wire.remote_rows:
+            rows = wire.remote_rows[r]
+            n = wire.num_tokens if rows is None else rows.numel()
+            posted.append((rows, plane.post_partial(i + 1, n, config.num_q_heads, config.head_size,
+                                                    config.torch_dtype, lse_wire_dtype(config.torch_dtype), device)))
+    return posted
 
 
 def rows_disjoint(row_sets: list[torch.Tensor | None], num_tokens: int) -> bool:
