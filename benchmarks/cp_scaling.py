@@ -197,7 +197,7 @@ class Planned:
 
 
 def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int, budget_gb: float,
-                  one_service: bool = False, prefill_wire: str = "auto") -> list[Planned]:
+                  one_service: bool = False, prefill_wire: str = "auto", wire_flops: float = 3000.0) -> list[Planned]:
     """One service of ``gpus`` shards (one GPU each) per case, sized for it (``one_service``: one for all the
     cases, as --smoke does so that it runs in seconds)."""
     import cpattn
@@ -221,7 +221,7 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
                                    # one step of the case, whatever its size (the default caps steps at 16K)
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
                                    kv_cache_dtype=group[0].kv, sliding_window=group[0].window,
-                                   prefill_wire=prefill_wire)
+                                   prefill_wire=prefill_wire, pcp_wire_flops_per_byte=wire_flops)
         planned.append(Planned(gpus, group, layers, backends, cfg))
     return planned
 
@@ -309,7 +309,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "begin_ms_per_step": 1e3 * statistics.fmean(begins),
             # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
             "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
-            "prefill_wire": svc.config.prefill_wire}
+            "prefill_wire": svc.config.prefill_wire, "pcp_wire_flops_per_byte": svc.config.pcp_wire_flops_per_byte}
 
 
 def _fmt(r: dict) -> str:
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="benchmarks/results/cp_scaling.json")
     parser.add_argument("--prefill-wire", default="auto", choices=("auto", "broadcast", "per_rank"),
                         help="ServiceConfig.prefill_wire: how a prefill's q|k|v reach the remote shards")
+    parser.add_argument("--pcp-wire-flops-per-byte", type=float, default=3000.0,
+                        help="ServiceConfig.pcp_wire_flops_per_byte: how much smaller a remote shard's causal share "
+                             "of a prefill is (0: equal shares)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (TORCH backend, gloo), 1 and 2 shards, 2 layers: checks that "
                              "every path of the benchmark still runs (the test suite runs it)")
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                         else (float("nan"), float("nan"))) for c in cases}
     planned = [p for gpus in map(int, args.gpus.split(","))
                for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke,
-                                      prefill_wire=args.prefill_wire)]
+                                      prefill_wire=args.prefill_wire, wire_flops=args.pcp_wire_flops_per_byte)]
     rows = []
     for row in service_rows(planned, args.repeats, concurrent_starts=args.smoke):
         row["kernel_ms"], row["kernel_graph_ms"] = kernels[row["case"]]

@@ -130,6 +130,12 @@ class StepExecution(FieldGroup):
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)
     """A request with at least this many new tokens in a step is split across shards."""
+    pcp_wire_flops_per_byte: float = Field(3000.0, ge=0, allow_inf_nan=False)
+    """Attention FLOPs a shard computes in the time one byte travels to a remote shard (3000: FlashAttention 4 at
+    ~600 TFLOP/s on an H200 against ~200 GB/s of NCCL point to point over NVLink). When the client computes some
+    shards in its own process, a long prefill's causal part is cut into contiguous query ranges, the earliest for
+    those shards and the later ones for the remote shards, sized so all finish together counting the bytes each
+    remote shard's rows travel; 0: equal shares (head-tail pairs), as when every shard is remote."""
     nan_policy: Literal["reject", "allow"] = "reject"
     """reject: NaN/inf in q, k or v raises InvalidRequestError (they would poison the cache)."""
 

@@ -66,7 +66,7 @@ def _ledger(journal=None, **overrides):
 
 
 def test_a_step_is_admitted_opened_and_committed():
-    ledger, gen = _ledger()
+    ledger, gen = _ledger(pcp_wire_flops_per_byte=0.0)   # equal causal shares: the remote rank computes rows too
     ledger.table.add("c-1", "a")
     admitted = ledger.admit("c-1", {"a": 6}, 1, num_clients=1)
     assert admitted.num_steps == 1 and ledger.table.blocks_used() == [1, 1]

@@ -16,7 +16,7 @@ import torch
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
 from cpattn.attention.ops.lse import LseBase
-from cpattn.attention.ops.reference import ragged_causal_attention
+from cpattn.attention.ops.reference import ragged_causal_attention, ragged_causal_pieces
 from cpattn.errors import InvalidRequestError
 from cpattn.kvstore import MultipleOf
 from cpattn.kvstore.fp8 import fp8_format_of, quantize, token_scales
@@ -151,6 +151,43 @@ class AttentionImpl:
         """
         return ragged_causal_attention(q_TQD, k_TKD, v_TKD, pieces_P3, self.spec.scale,
                                        window=self.spec.window(layer), soft_cap=self.spec.soft_cap(layer))
+
+    def forward_causal_pieces(self, q_RQD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
+                              pieces_P4: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of pieces (q_start, q_end, k_start, k_end) whose queries and keys are rows of their own
+        tensors (a rank's compact message: q its rows, k/v the new tokens it needs; or both the step's T rows):
+        queries q[qs:qe] attend to keys k[ks:ke] aligned at the end (ops.reference.ragged_causal_pieces).
+        Returns out [R, Hq, D], natural-log lse [R, Hq] of the pieces' query rows in order (R their sum).
+
+        The default: the reference on the host; on a GPU the backend's forward_new_tokens on one token space
+        (q's rows placed at their keys' positions: no copy where q and k already share one, a scatter of q
+        otherwise). Backends that can attend q and k of separate spaces override it."""
+        if not q_RQD.is_cuda:
+            return ragged_causal_pieces(q_RQD, k_SKD, v_SKD, pieces_P4, self.spec.scale,
+                                        window=self.spec.window(layer), soft_cap=self.spec.soft_cap(layer))
+        return self.causal_pieces_on_keys(q_RQD, k_SKD, v_SKD, pieces_P4, layer)
+
+    def causal_pieces_on_keys(self, q_RQD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor,
+                              pieces_P4: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_causal_pieces through forward_new_tokens in k's rows: each query placed at its position among
+        its keys (a scatter of q, unless q already is in k's rows), its output rows gathered back."""
+        pieces = [p for p in pieces_P4.tolist() if p[1] > p[0]]
+        dev = q_RQD.device
+        if not pieces:
+            return (q_RQD.new_zeros((0,) + tuple(q_RQD.shape[1:])),
+                    torch.zeros(0, q_RQD.shape[1], dtype=torch.float32, device=dev))
+        at = torch.cat([torch.arange(ke - (qe - qs), ke) for qs, qe, _, ke in pieces])   # queries among the keys
+        pieces_P3 = torch.tensor([(ke - (qe - qs), ke, ks) for qs, qe, ks, ke in pieces], dtype=torch.int64)
+        q_at = q_RQD
+        if q_RQD.shape[0] != k_SKD.shape[0] or any(ke != qe for _, qe, _, ke in pieces):
+            q_rows = torch.cat([torch.arange(qs, qe) for qs, qe, _, _ in pieces]).to(dev)
+            q_at = q_RQD.new_zeros((k_SKD.shape[0],) + tuple(q_RQD.shape[1:]))
+            q_at.index_copy_(0, at.to(dev), q_RQD.index_select(0, q_rows))
+        out, lse = self.forward_new_tokens(q_at, k_SKD, v_SKD, pieces_P3, layer)
+        if at.numel() == out.shape[0] and bool((at == torch.arange(at.numel())).all()):
+            return out, lse
+        at = at.to(dev)
+        return out.index_select(0, at), lse.index_select(0, at)
 
 
 class AttentionBackend:

@@ -268,9 +268,23 @@ class DataPlane:
         With NCCL nothing here waits on the host, so a dead peer is seen only through that flag, which
         the step reads once at its end.
         """
+        return self.take_partial(self.post_partial(src, num_rows, num_heads, head_size, dtype, lse_dtype, device),
+                                 device, tag)
+
+    def post_partial(self, src: int, num_rows: int, num_heads: int, head_size: int, dtype: torch.dtype,
+                     lse_dtype: torch.dtype, device: torch.device) -> tuple:
+        """Rank 0: rank ``src``'s partial's receive posted, not waited for (``take_partial`` does). NCCL orders a
+        receive after the work already on our stream, so one posted before the client's own shards compute lands
+        while they do; posted after, it would wait for them."""
         wire_device = device if self.backend == "nccl" else torch.device("cpu")
         message = PartialMessage.empty(num_rows, num_heads, head_size, dtype, lse_dtype, wire_device)
-        self._run(self.group.recv([message.buffer], src, 0))
+        return self.group.recv([message.buffer], src, 0), message
+
+    def take_partial(self, posted: tuple, device: torch.device, tag: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """recv_partial's answer from a posted receive (gloo: waits for it; NCCL: our stream ordered after it)."""
+        work, message = posted
+        self._run(work)
         message = message.to(device)
         return message.out, message.lse, message.broken(tag)
 

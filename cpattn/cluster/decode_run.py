@@ -14,6 +14,7 @@ Pure functions of the sequence table (no Ray); the coordinator holds its lock ar
 
 from __future__ import annotations
 
+from cpattn.attention.pcp import WireCost
 from cpattn.cluster.messages import StepPlans
 from cpattn.cluster.decode_run_plans import RunPlans, RunSteps, client_step, plan_decode_run, shard_step
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
@@ -53,8 +54,9 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
 
 def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
                step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str,
-               growths: list[Growth]) -> list[list[ShardStepPlan]]:
-    """Every rank's plan of each step (a plain step: one; ``growths[j]`` its pages).
+               growths: list[Growth], local: tuple[int, ...] = ()) -> list[list[ShardStepPlan]]:
+    """Every rank's plan of each step (a plain step: one; ``growths[j]`` its pages). ``local``: the client's
+    in-process ranks (a prefill's causal part gives the others a share smaller by what their wire costs).
 
     Every page of the run is allocated before it is planned, so the block tables gathered for the first step
     serve all (gathering them again was 60% of a run's plan). Those tables already hold every copy-on-write
@@ -66,9 +68,13 @@ def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: lis
         gather = table_gatherer(allocator, [s.rows for s in seqs], tables)
         return plan_decode_run(allocator, [s.rows for s in seqs], lengths, step_ids, gather, incarnation, secret,
                                cfg.row_window(), first, cfg.pcp_enabled, cfg.pcp_min_tokens)
+    cost = None
+    if local:
+        cost = WireCost.of([r for r in range(allocator.num_shards) if r not in local], cfg.num_q_heads,
+                           cfg.num_kv_heads, cfg.head_size, cfg.torch_dtype.itemsize, cfg.pcp_wire_flops_per_byte)
     return [plan_step(allocator, [StepRequest(s.rows, n + j, t) for s, n, t in zip(seqs, lengths, new_tokens)],
                       step_id, cfg.pcp_enabled, cfg.pcp_min_tokens, incarnation, secret,
-                      row_window=cfg.row_window(), growth=first if j == 0 else None, tables=tables)
+                      row_window=cfg.row_window(), growth=first if j == 0 else None, tables=tables, wire_cost=cost)
             for j, step_id in enumerate(step_ids)]
 
 

@@ -38,8 +38,8 @@ from cpattn.cluster.messages import EndStepReply, Rejoin, StepPlans
 from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.step_run import finish_deferred_commit
 from cpattn.cluster.wire_messages import LayerMessage
-from cpattn.cluster.wire_select import blank_layer, post_layer, rows_disjoint, selection_of
-from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
+from cpattn.cluster.wire_select import blank_layer, post_layer, post_partials, rows_disjoint, selection_of
+from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
@@ -256,19 +256,18 @@ class Gateway(RunControl, GroupMembership):
         if wire.graphs is not None and sinks_Q is None:
             return wire.graphs.run(layer, q, k, v)
         sending = post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ATTEND, layer, message)
+        # NCCL: the remote partials' receives go first, so each lands while the in-process shards compute.
+        posted = post_partials(self.plane, wire, self.remote, cfg, self.device) if self.runs_ahead else None
         # The in-process shards compute while the sends are in flight (gloo: its threads; NCCL: its stream).
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
         if sending:
             self.plane.finish(sending)
-        dtype, lse_dtype = cfg.torch_dtype, lse_wire_dtype(cfg.torch_dtype)
-        for i, r in enumerate(self.remote):
-            if r in wire.remote_rows:
-                rows = wire.remote_rows[r]
-                n = wire.num_tokens if rows is None else rows.numel()
-                out, lse, broken = self.plane.recv_partial(i + 1, n, cfg.num_q_heads, cfg.head_size, dtype,
-                                                           lse_dtype, self.device, partial_tag(wire.step_id, layer))
-                wire.broken.append(broken)
-                parts.append((rows, out, lse))
+        if posted is None:
+            posted = post_partials(self.plane, wire, self.remote, cfg, self.device)
+        for rows, one in posted:
+            out, lse, broken = self.plane.take_partial(one, self.device, partial_tag(wire.step_id, layer))
+            wire.broken.append(broken)
+            parts.append((rows, out, lse))
         if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
             return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
         return merge_rows(parts, wire.num_tokens, sinks_Q, wire.disjoint)
@@ -289,12 +288,8 @@ class Gateway(RunControl, GroupMembership):
             return
         for _ in range(remaining):
             self.plane.finish(post_layer(self.plane, wire, self.remote, cfg, self.device, CMD_ABORT, -1, unused))
-            for i, r in enumerate(self.remote):
-                if r in wire.remote_rows:
-                    rows = wire.remote_rows[r]
-                    n = wire.num_tokens if rows is None else rows.numel()
-                    self.plane.recv_partial(i + 1, n, cfg.num_q_heads, cfg.head_size, cfg.torch_dtype,
-                                            lse_wire_dtype(cfg.torch_dtype), self.device, 0)
+            for _rows, posted in post_partials(self.plane, wire, self.remote, cfg, self.device):
+                self.plane.take_partial(posted, self.device, 0)
 
     @property
     def runs_ahead(self) -> bool:

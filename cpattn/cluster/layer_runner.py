@@ -19,6 +19,7 @@ from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.cascade_plan import PrefixPass, PrefixSplitter, consecutive_start, merge_prefix_rows
 from cpattn.attention.ops.merge import merge_partials
 from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.new_tokens import NewTokensStep, covers_rows, plan_new_tokens
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
@@ -48,10 +49,11 @@ class PlannedStep:
     runner: "ShardLayerRunner | None" = None
     """The runner that planned the step and runs its layers: the prefill backend's for a prefill step (any
     sequence with more than one new token), else the runner asked (the decode backend's)."""
-    new_tokens_only: torch.Tensor | None = None
-    """(T,) int64 slot mapping on the device, set when no query of the step has a key on this shard from before it
-    (a prefill from empty): each layer writes its K/V and runs the causal pieces alone, without a context pass over
-    all T queries (its out 0 / lse -inf would change nothing in the merge) or the merge itself."""
+    new_tokens_only: NewTokensStep | None = None
+    """Set when no query of the step has a key on this shard from before it (a prefill from empty): each layer
+    writes its K/V and runs the causal pieces alone (cluster/new_tokens.py), without a context pass over all T
+    queries (its out 0 / lse -inf would change nothing in the merge) or the merge itself; ``compact``: q, k, v come
+    as this rank's own message, never expanded to T rows."""
 
 
 def lse_wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,13 +106,15 @@ class ShardLayerRunner:
         None where graphs cannot serve; steps of concurrent callers must not share one set."""
         return DecodeGraphs(self) if DecodeGraphs.supported(self) else None
 
-    def plan(self, plan: ShardStepPlan, graphs: DecodeGraphs | None = None) -> PlannedStep:
+    def plan(self, plan: ShardStepPlan, graphs: DecodeGraphs | None = None, compact: bool = False) -> PlannedStep:
         """Once per step: the backend plans, and the step's index tensors move to the device once; with
         ``graphs`` (new_graphs()) a decode-only step is readied to replay them. A prefill step (a sequence with
-        more than one new token) is planned and run by the prefill backend's runner, without graphs."""
+        more than one new token) is planned and run by the prefill backend's runner, without graphs.
+        ``compact``: a remote rank of a selected step, whose q, k, v are its own message's rows where the step
+        runs new tokens only (``PlannedStep.new_tokens_only.compact``; wire_select.LayerReceiver asks)."""
         md = plan.metadata
         if self.prefill_runner is not None and md.max_query_len > 1:
-            return self.prefill_runner.plan(plan)
+            return self.prefill_runner.plan(plan, compact=compact)
         if self.kernel_block_size != self.config.block_size:
             # Slots are token addresses, identical under both page sizes; only the table changes.
             md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
@@ -125,14 +129,21 @@ class ShardLayerRunner:
         rows = None if plan.rows is None else plan.rows.to(self.device)
         if graphs is not None and not graphs.prepare(attn_md, replica, plan.causal_pieces, rows, prefix_pass):
             graphs = None
+        new_only = None
+        # A prefill rank given no causal piece (a remote rank whose wire costs more than its share) only writes.
+        if (graphs is None and prefix_pass is None and md.max_seq_len == 0
+                and (plan.causal_pieces.numel() or md.max_query_len > 1) and covers_rows(plan)):
+            new_only = plan_new_tokens(plan, compact)
         scale_writes = None
         if self.kv_format is not None and self.config.kv_scales is None and graphs is None:   # graphs grow their own
-            slot_arrays = [md.slot_mapping] + ([] if plan.replica_slot_mapping is None else [plan.replica_slot_mapping])
-            scale_writes = PageScaleWrites(slot_arrays, self.config.block_size, self.device)
+            slot_arrays = ([md.slot_mapping, plan.replica_slot_mapping] if new_only is None else
+                           [new_only.slots, new_only.replica_slots])   # the rows of the k/v each layer gets
+            scale_writes = PageScaleWrites([s for s in slot_arrays if s is not None], self.config.block_size,
+                                           self.device)
         copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
-        new_only = None
-        if graphs is None and prefix_pass is None and md.max_seq_len == 0 and plan.causal_pieces.numel():
-            new_only = md.slot_mapping.to(self.device)
+        if new_only is not None:
+            new_only = new_only.to(self.device)
+            replica = new_only.replica_slots
         return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
                            self, new_only)
 
@@ -203,11 +214,14 @@ class ShardLayerRunner:
     def _new_tokens_only(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                          v_TKD: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A step with no context on this shard: the KV update (the backends' own, which the replica writes use
-        too; slots are token addresses under any page size), then the causal pieces, the computed rows only."""
-        write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, step.new_tokens_only, scale)
-        out, lse = self.impl.forward_new_tokens(q_TQD, k_TKD, v_TKD, step.pieces, layer=layer)
-        if step.rows is not None:
-            out, lse = out.index_select(0, step.rows), lse.index_select(0, step.rows)
+        too; slots are token addresses under any page size), then the causal pieces, the computed rows only.
+        q/k/v: the step's T rows, or (compact) this rank's own message's rows."""
+        new = step.new_tokens_only
+        write_kv_cache_fast(self.kv_caches[layer], k_TKD, v_TKD, new.slots, scale)
+        if not new.pieces.numel():   # no row to compute
+            empty = q_TQD.new_zeros((0,) + tuple(q_TQD.shape[1:]), dtype=self.dtype)
+            return empty, empty.new_zeros((0, q_TQD.shape[1]), dtype=self.lse_dtype)
+        out, lse = self.impl.forward_causal_pieces(q_TQD, k_TKD, v_TKD, new.pieces, layer=layer)   # rows in order
         return out.to(self.dtype), lse.to(self.lse_dtype)
 
     def attend_prefix(self, layer: int, prefix_pass: PrefixPass, q_TQD: torch.Tensor, k_TKD: torch.Tensor,

@@ -30,7 +30,7 @@ from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
-from cpattn.cluster.wire_select import LayerReceiver
+from cpattn.cluster.wire_select import receiver_for
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
 from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
@@ -177,7 +177,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
                 break
             if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
                 return ShardStepReport.of(self._refuse_fenced(plane, step_plan, timings))
-            planned = self.runner.plan(step_plan, self._graphs[group_name])
+            planned = self.runner.plan(step_plan, self._graphs[group_name], compact=step_plan.selected)
             timings["plan_s"] += time.perf_counter() - t0
             try:
                 if index and not self._next_in_run(plane, index, step_plan):
@@ -221,7 +221,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
             return self._refuse_fenced(plane, plan, timings)
         a0 = time.perf_counter()
         graphed = not plan.selected and step_graphs is not None and step_graphs.prepare(planned)
-        receiver = LayerReceiver(plane, plan, self.config, self.device)
+        receiver = receiver_for(plane, planned, self.config, self.device)
         headers = []
         try:
             if graphed:
@@ -258,7 +258,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
             return self._serve_layers_ahead(plane, planned, timings, step_graphs)
         plan = planned.plan
         t = plan.num_tokens
-        receiver = LayerReceiver(plane, plan, self.config, self.device)
+        receiver = receiver_for(plane, planned, self.config, self.device)
         served: set[int] = set()
         while len(served) < self.config.num_layers:
             while self._hang:

@@ -69,7 +69,7 @@ class StepLedger:
         lengths = [s.length for s in seqs]
         try:
             runs = decode_run.plan_steps(self.table.allocator, seqs, lengths, new_tokens, step_ids, self.config,
-                                         gen.incarnation, gen.shard_secret, [step.growth, *later_growths])
+                                         gen.incarnation, gen.shard_secret, [step.growth, *later_growths], local)
             if any(t > 1 for t in new_tokens):   # a prefill: each remote rank may get only the rows it needs
                 cfg = self.config
                 for plans in runs:

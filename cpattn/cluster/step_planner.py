@@ -9,7 +9,7 @@ import torch
 
 from cpattn.array_pickle import TensorsAsArrays
 from cpattn.attention.metadata import CommonAttentionMetadata, make_dcp_context_metadata
-from cpattn.attention.pcp import plan_causal_pieces
+from cpattn.attention.pcp import WireCost, plan_causal_pieces
 from cpattn.kvstore.sharded_allocator import Growth, SequenceRows, ShardedKVAllocator
 
 
@@ -69,19 +69,20 @@ def table_gatherer(allocator: ShardedKVAllocator, rows: list[SequenceRows], tabl
 def plan_step(allocator: ShardedKVAllocator, requests: list[StepRequest], step_id: int,
               pcp_enabled: bool, pcp_min_tokens: int, incarnation: int = 0,
               auth: str | None = None, *, row_window: int | None = None, growth: Growth | None = None,
-              tables: dict | None = None) -> list[ShardStepPlan]:
+              tables: dict | None = None, wire_cost: WireCost | None = None) -> list[ShardStepPlan]:
     """One ShardStepPlan per rank; pages for the new tokens must already be allocated. ``auth``: the shard
     secret the plans carry (a shard runs only plans of its coordinator). ``row_window``: every layer's window
     is at most this (ServiceConfig.row_window): a rank computes and sends no row for a query it holds no key of
     within it. ``growth``: the step's allocation, whose copy-on-write pages each shard copies. ``tables``: block
     tables gathered by an earlier plan of the same sequences and pages (a decode run's steps), reused instead
-    of gathered again."""
+    of gathered again. ``wire_cost``: which ranks are remote to the client and what their rows cost (a long
+    request's causal part is then split by time, attention/pcp.py); None: equal shares."""
     gather = table_gatherer(allocator, [r.rows for r in requests], {} if tables is None else tables)
     n = allocator.num_shards
     query_lens = [r.num_new for r in requests]
     context_lens = [r.context_len for r in requests]
     # Decodes are folded into the context pass of the rank storing their token (no causal pass, no extra merge).
-    pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled, skip_decodes=True)
+    pieces = plan_causal_pieces(query_lens, n, pcp_min_tokens, pcp_enabled, skip_decodes=True, wire_cost=wire_cost)
     plans = []
     for rank in range(n):
         table = gather(rank, False)

@@ -8,9 +8,10 @@ needs only the new K/V it stores (its slot mapping, and its replica's) or attend
 [k_start, q_end) of its causal pieces). When the rank-by-rank messages together are smaller than the one
 broadcast (always with one remote rank; with more, when each computes few rows), the step is planned *selected*
 (``select_wire``, once per step): every remote rank gets, per layer, header | q[q_rows] | k[kv_rows] |
-v[kv_rows] from rank 0 as a point-to-point message, and scatters it into full-size step buffers
-(``OwnLayers``), so the layer runner and its planned indices stay unchanged; rows not received are never read
-(their outputs are not returned, their K/V is neither stored nor attended).
+v[kv_rows] from rank 0 as a point-to-point message. Where the rank's step runs new tokens only (a prefill from
+empty: cluster/new_tokens.py) the layer runner attends the message as it arrived (compact); otherwise
+``OwnLayers`` scatters it into full-size step buffers, so the layer runner's planned indices stay unchanged; rows
+not received are never read (their outputs are not returned, their K/V is neither stored nor attended).
 
 A rank with no row to compute and no K/V to store gets the header alone (32 bytes).
 """
@@ -22,6 +23,7 @@ import math
 import torch
 
 from cpattn.cluster.data_plane import CMD_ATTEND
+from cpattn.cluster.layer_runner import lse_wire_dtype
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.cluster.wire_messages import HEADER_BYTES, LayerMessage
 
@@ -96,14 +98,15 @@ def pack_own_message(header: torch.Tensor, q_TQD: torch.Tensor, k_TKD: torch.Ten
 
 class OwnLayers:
     """A selected step on a remote rank: receives its own message per layer and hands the layer runner full-size
-    q [T, Q, D], k, v [T, K, D] (step buffers, zero where nothing arrived: never read)."""
+    q [T, Q, D], k, v [T, K, D] (step buffers, zero where nothing arrived: never read), or with ``compact`` the
+    message's own q [Rq, Q, D], k, v [Rkv, K, D] (views of it)."""
 
     def __init__(self, plan: ShardStepPlan, num_q_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, compact: bool = False):
         t = plan.num_tokens
-        self.q_rows = None if plan.rows is None else plan.rows.to(device)
-        self.kv_rows = None if plan.kv_rows is None else plan.kv_rows.to(device)
-        self.num_q = _count(plan.rows, t)
+        self.q_rows = None if plan.rows is None or compact else plan.rows.to(device)
+        self.kv_rows = None if plan.kv_rows is None or compact else plan.kv_rows.to(device)
+        self.num_q = _count(plan.rows, t)   # what arrives, expanded or not
         self.num_kv = _count(plan.kv_rows, t)
         self.shape = (num_q_heads, num_kv_heads, head_size)
         self.dtype = dtype
@@ -149,12 +152,13 @@ def blank_own_message(header: torch.Tensor, q_rows: torch.Tensor | None, kv_rows
 
 class LayerReceiver:
     """A remote shard's side of one step: each layer's header and full-size q, k, v, from the broadcast or (a
-    selected step) from this rank's own message."""
+    selected step) from this rank's own message (its rows alone where the runner planned the step compact)."""
 
-    def __init__(self, plane, plan: ShardStepPlan, config, device: torch.device):
+    def __init__(self, plane, plan: ShardStepPlan, config, device: torch.device, compact: bool = False):
+        """``compact``: hand over the own message's rows unexpanded (the runner planned the step compact)."""
         self.plane, self.plan, self.device, self.dtype = plane, plan, device, config.torch_dtype
         self.heads = (config.num_q_heads, config.num_kv_heads, config.head_size)
-        self.own = OwnLayers(plan, *self.heads, self.dtype, device) if plan.selected else None
+        self.own = OwnLayers(plan, *self.heads, self.dtype, device, compact) if plan.selected else None
 
     def receive(self, ahead: bool) -> tuple[torch.Tensor | tuple, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(header, q, k, v): ``ahead`` (NCCL, layers enqueued ahead): the header int64 [4] on the device, read
@@ -218,9 +222,28 @@ def post_layer(plane, wire, remote: list[int], config, device: torch.device, com
     return plane.send_own_layers(own)
 
 
+def post_partials(plane, wire, remote: list[int], config, device: torch.device) -> list:
+    """(rows, posted receive) of each remote shard that computes rows in the step (DataPlane.post_partial), in
+    rank order; ``plane.take_partial`` gives each one's out and LSE."""
+    posted = []
+    for i, r in enumerate(remote):
+        if r in wire.remote_rows:
+            rows = wire.remote_rows[r]
+            n = wire.num_tokens if rows is None else rows.numel()
+            posted.append((rows, plane.post_partial(i + 1, n, config.num_q_heads, config.head_size,
+                                                    config.torch_dtype, lse_wire_dtype(config.torch_dtype), device)))
+    return posted
+
+
 def rows_disjoint(row_sets: list[torch.Tensor | None], num_tokens: int) -> bool:
     """Every one of ``num_tokens`` rows in exactly one of ``row_sets`` (CPU, each sorted and unique; None = all):
     the client's merge is then a scatter (attention.ops.merge.merge_rows ``disjoint``). Once per step."""
     if len(row_sets) < 2 or any(rows is None for rows in row_sets) or sum(r.numel() for r in row_sets) != num_tokens:
         return False
     return bool((torch.bincount(torch.cat(row_sets), minlength=num_tokens) == 1).all())
+
+
+def receiver_for(plane, planned, config, device: torch.device) -> LayerReceiver:
+    """A remote shard's receiver of a step the runner planned (compact where it planned the step so)."""
+    new = planned.new_tokens_only
+    return LayerReceiver(plane, planned.plan, config, device, compact=new is not None and new.compact)

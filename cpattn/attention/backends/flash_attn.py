@@ -280,6 +280,29 @@ class FlashAttentionImpl(AttentionImpl):
         lse.index_copy_(0, q_rows, _to_TQ(l_QT, q_rows.numel()))
         return out, lse
 
+    def forward_causal_pieces(self, q_RQD, k_SKD, v_SKD, pieces_P4, layer=0):
+        """A few pieces (a prefill rank's share): one kernel call each, straight on slices of q and k (views: no
+        gather, no full-size output; a remote rank's compact message as it arrived). Many: the default."""
+        pieces = [p for p in pieces_P4.tolist() if p[1] > p[0]]
+        if not q_RQD.is_cuda or not pieces or len(pieces) > MAX_PIECE_CALLS:
+            return super().forward_causal_pieces(q_RQD, k_SKD, v_SKD, pieces_P4, layer)
+        outs, lses = [], []
+        for qs, qe, ks, ke in pieces:
+            o, l_QT = self._call(q_RQD[qs:qe], k_SKD[ks:ke], v_SKD[ks:ke], cu_seqlens_q=_cu_seqlens(qe - qs, q_RQD),
+                                 max_q=qe - qs, causal=True, cu_seqlens_k=_cu_seqlens(ke - ks, q_RQD), max_k=ke - ks,
+                                 soft_cap=self.spec.soft_cap(layer))
+            outs.append(o)
+            lses.append(_to_TQ(l_QT, qe - qs))
+        return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+
+
+MAX_PIECE_CALLS = 4
+"""forward_causal_pieces makes one call per piece up to this many pieces (large ones: a rank's causal share)."""
+
+
+def _cu_seqlens(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([0, n], dtype=torch.int32).to(like.device, non_blocking=True)
+
 
 def _to_TQ(lse: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """FlashAttention's varlen LSE is [Q, T] (FA2 may pad T); ours is [T, Q] float32."""

@@ -105,6 +105,32 @@ def ragged_causal_attention(q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: tor
     return out, lse.float() if compute == torch.float32 else lse
 
 
+def ragged_causal_pieces(q_RQD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, pieces_P4: torch.Tensor,
+                         scale: float, window: int | None = None,
+                         soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces (q_start, q_end, k_start, k_end) whose queries and keys are rows of their own tensors (q's rows need
+    not be k's: a rank's compact message): queries q[qs:qe] attend causally to keys k[ks:ke], aligned at the end
+    (ke - ks >= qe - qs; query i sits at key ks + (ke - ks) - (qe - qs) + i). Returns the pieces' rows in order,
+    out [sum of qe - qs, Q, D] and natural-log lse; a window is relative, as in ragged_causal_attention."""
+    compute = torch.float64 if q_RQD.dtype == torch.float64 else torch.float32
+    outs = [torch.zeros(0, *q_RQD.shape[1:], dtype=q_RQD.dtype, device=q_RQD.device)]
+    lses = [torch.zeros(0, q_RQD.shape[1], dtype=compute, device=q_RQD.device)]
+    for qs, qe, ks, ke in pieces_P4.tolist():
+        lq, offset = qe - qs, (ke - ks) - (qe - qs)
+        if lq <= 0:
+            continue
+        key_start, k0 = None, 0
+        if window is not None:
+            k0 = max(0, offset - window + 1)                   # nothing before it is in any query's window
+            key_start = (torch.arange(lq) + offset - window + 1 - k0).clamp(min=0)
+        o, l = dense_attention(q_RQD[qs:qe], k_SKD[ks + k0:ke], v_SKD[ks + k0:ke], scale, causal_offset=offset - k0,
+                               soft_cap=soft_cap, key_start_Lq=key_start)
+        outs.append(o)
+        lses.append(l)
+    lse = torch.cat(lses)
+    return torch.cat(outs), lse.float() if compute == torch.float32 else lse
+
+
 def gather_request_kv(kv_cache_2NBKD: torch.Tensor, block_row: torch.Tensor, seq_len: int,
                       first_key: int = 0, kv_scale_2NK: torch.Tensor | None = None,
                       compute: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
