@@ -18,22 +18,7 @@ pytest_json() {   # pytest_json NAME FILES...: run, then $OUT/NAME_tests.json fr
   shift
   timeout "${LIMIT:-450}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs --junitxml="$OUT/$name.xml" \
     "$@" 2>&1 | tee "$OUT/$name.log" | quiet | tail -30
-  python3 - "$OUT/$name.xml" "$OUT/${name}_tests.json" <<'EOF'
-import json, sys
-import xml.etree.ElementTree as ET
-try:
-    suite = ET.parse(sys.argv[1]).getroot().find("testsuite")
-except (OSError, ET.ParseError) as exc:
-    json.dump({"error": f"no junit XML: {exc}"}, open(sys.argv[2], "w"))
-    raise SystemExit(0)
-cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "s": float(c.get("time", 0)),
-          "outcome": next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed"),
-          "message": next((k.get("message", "")[:2000] for k in c if k.tag in ("failure", "error", "skipped")), "")}
-         for c in suite.iter("testcase")]
-summary = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped", "time")}
-json.dump({"summary": summary, "cases": cases}, open(sys.argv[2], "w"), indent=1)
-print(summary)
-EOF
+  python3 benchmarks/junit_json.py "$OUT/$name.xml" "$OUT/${name}_tests.json" && echo "$OUT/${name}_tests.json written"
 }
 
 case "${1:-tests}" in
