@@ -75,7 +75,7 @@ def goals(tk, n: int, dev, window: int = 4096) -> dict:
         lse = torch.empty(1, HQ, dtype=torch.float32, device=dev)
         start = None if win is None else torch.full((1,), n - win, dtype=torch.int32, device=dev)
         splits = tk.decode_num_splits(1, HK, n if win is None else win, dev)
-        times[name] = _time(functools.partial(_run, tk, q, cache, table, scales, n, splits, out, lse, start))
+        times[name] = time_graph(functools.partial(_run, tk, q, cache, table, scales, n, splits, out, lse, start))
         outs[name] = out.float().clone()
         del cache, scales   # one 1M-key cache at a time
         torch.cuda.empty_cache()
@@ -92,22 +92,6 @@ def goals(tk, n: int, dev, window: int = 4096) -> dict:
           f"{'met' if result['fp8_goal_met'] else 'missed'}); window {window} {times[f'window_{window}']:.4f} ms "
           f"(goal <= 0.05: {'met' if result['window_goal_met'] else 'missed'})")
     return result
-
-
-def _time(fn, iters: int = 10, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (iters * replays) * 1e3
 
 
 def main() -> int:
@@ -148,7 +132,7 @@ def main() -> int:
                 splits = tk.decode_num_splits(1, HK, n, dev, block_n=block_n)
                 row = dict(context=n, kv="fp8_e4m3" if fp8 else "bf16", splits=splits, **cfg)
                 try:
-                    ms = _time(lambda: _run(tk, q, cache, table, scales, n, splits, out, lse))
+                    ms = time_graph(lambda: _run(tk, q, cache, table, scales, n, splits, out, lse))
                     err = float((out.float() - ref).norm() / ref.norm())
                     row.update(ms=ms, rel_vs_default=err)
                 except Exception as exc:   # a tiling that does not fit shared memory: recorded, not fatal
