@@ -39,7 +39,7 @@ from cpattn.cluster.page_delta import PageCache
 from cpattn.cluster.step_run import finish_deferred_commit
 from cpattn.cluster.wire_messages import LayerMessage
 from cpattn.cluster.wire_select import blank_layer, post_layer, post_partials, rows_disjoint, selection_of
-from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
+from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner, lse_wire_dtype
 from cpattn.cluster.rpc import call, call_across_restart
 from cpattn.config import ServiceConfig
 from cpattn.errors import CpattnError
@@ -262,9 +262,17 @@ class Gateway(RunControl, GroupMembership):
         parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
         if sending:
             self.plane.finish(sending)
-        if posted is None:
-            posted = post_partials(self.plane, wire, self.remote, cfg, self.device)
-        for rows, one in posted:
+        posted = iter(posted or ())
+        for i, r in enumerate(self.remote):
+            if r not in wire.remote_rows:
+                continue
+            rows = wire.remote_rows[r]
+            if self.runs_ahead:
+                one = next(posted)[1]
+            else:   # gloo: one receive at a time, each waited for before the next is posted (as before NCCL's)
+                n = wire.num_tokens if rows is None else rows.numel()
+                one = self.plane.post_partial(i + 1, n, cfg.num_q_heads, cfg.head_size, cfg.torch_dtype,
+                                              lse_wire_dtype(cfg.torch_dtype), self.device)
             out, lse, broken = self.plane.take_partial(one, self.device, partial_tag(wire.step_id, layer))
             wire.broken.append(broken)
             parts.append((rows, out, lse))
