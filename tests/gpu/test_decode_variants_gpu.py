@@ -26,8 +26,9 @@ VARIANTS = [dict(page_tiles=True), dict(prefetch=True), dict(fp8_v_scaled=True, 
 HEADS = [dict(heads_per_program=8, block_n=16, num_warps=8, num_stages=4, fp8_f16_dot=True),
          dict(heads_per_program=8, block_n=32, num_warps=8, num_stages=3, fp8_f16_dot=True),
          dict(heads_per_program=4, block_n=64, num_warps=4, num_stages=2, fp8_f16_dot=True),
-         dict(heads_per_program=8, block_n=16, num_warps=4, num_stages=4, split_factor=0.5)]
-VARIANTS += HEADS
+         dict(heads_per_program=8, block_n=16, num_warps=4, num_stages=4, split_factor=0.5),
+         dict(heads_per_program=4, block_n=64, num_stages=1, fp8_f16_dot=True)]   # adopted 2026-12-01
+VARIANTS += HEADS + [dict(block_n=64, num_stages=1, page_tiles=True, prefetch=True)]   # query groups' adopted one
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
@@ -35,7 +36,10 @@ VARIANTS += HEADS
 def test_variant_matches_float64(variant, fmt, monkeypatch):
     from cpattn.attention.backends import triton_decode
 
-    monkeypatch.setattr(triton_decode, "CONFIG_OVERRIDES", {"fp8": dict(variant), "query_groups": dict(variant)})
+    # Query groups take a tile of up to 128 keys (benchmarks/prefix_pass_sweep.py's candidates): a bf16 pass over
+    # 256-key tiles asks ~280 KB of shared memory, more than an H200 has (measured 2026-12-01), and no sweep adopts it.
+    groups = dict(variant) if variant.get("block_n", 0) <= 128 else {}
+    monkeypatch.setattr(triton_decode, "CONFIG_OVERRIDES", {"fp8": dict(variant), "query_groups": groups})
     b = outlier_batch(*MIXED, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=3)
     for world, interleave in ((1, 1), (2, 16)):
         (out, _), (same, _), (exact, _) = run_case(TritonAttentionBackend, b, None, None, fmt, "cuda", world,
