@@ -163,14 +163,16 @@ def _write(path, result: dict) -> None:
 
 FP8_CASES = (("b1_1m", 1, 1 << 20), ("b64_32k", 64, 32768))
 """(name, requests, keys each): issue 22's goal case and a batched one (no regression there)."""
-HEADS_CANDIDATES = ((8, 16, 8, 4, True), (8, 32, 8, 3, True), (4, 32, 4, 3, True), (4, 64, 4, 2, True),
-                    (8, 16, 8, 4, False))
+HEADS_CANDIDATES = ((4, 64, 4, 1, True), (8, 32, 8, 1, True), (4, 128, 4, 1, True), (8, 64, 8, 1, True),
+                    (4, 32, 4, 1, True), (2, 64, 2, 1, True), (4, 64, 4, 2, True), (8, 16, 8, 4, True))
 """triton_decode_heads.py's kernel: (kv heads per program, keys per tile, warps, stages, f16 dots). One warp per head
 (warps = H): a whole 16-key page of all 8 heads (16 KB fp8) or two per tile; or 4 heads, 2-4 pages a tile, two
-programs per SM; f16 dots (one cvt per two fp8 values; bf16 needs three: >= 0.75 ms of conversions at 1M) but one."""
+programs per SM; f16 dots (one cvt per two fp8 values; bf16 needs three: >= 0.75 ms of conversions at 1M). On
+2026-12-01 (nvidia-h200) one stage beat two to four at every tiling where both ran (4 heads, 64 keys: 0.856 vs 0.921 ms
+at 1M; adopted) and bf16 dots lost everywhere (1.48x bf16): the candidates are now one-stage shapes around it."""
 ONE_HEAD_TILINGS = ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3),
                     (128, 8, 3), (64, 2, 2))
-HEADS_TILINGS = ((16, 8, 3), (32, 8, 2), (16, 8, 2), (32, 8, 4), (64, 8, 2), (16, 4, 4))
+HEADS_TILINGS = ((128, 4, 1), (32, 4, 1), (64, 8, 1), (128, 8, 1), (64, 2, 1), (32, 4, 2), (16, 8, 3))
 """(keys per tile, warps, stages) around the best variant: triton_decode's kernel, or the heads kernel's."""
 
 

@@ -27,7 +27,9 @@ HEADS = [dict(heads_per_program=8, block_n=16, num_warps=8, num_stages=4, fp8_f1
          dict(heads_per_program=8, block_n=32, num_warps=8, num_stages=3, fp8_f16_dot=True),
          dict(heads_per_program=4, block_n=64, num_warps=4, num_stages=2, fp8_f16_dot=True),
          dict(heads_per_program=8, block_n=16, num_warps=4, num_stages=4, split_factor=0.5),
-         dict(heads_per_program=4, block_n=64, num_stages=1, fp8_f16_dot=True)]   # adopted 2026-12-01
+         dict(heads_per_program=4, block_n=64, num_stages=1, fp8_f16_dot=True),   # adopted 2026-12-01
+         dict(heads_per_program=2, block_n=64, num_warps=2, num_stages=1, fp8_f16_dot=True),
+         dict(heads_per_program=4, block_n=128, num_warps=4, num_stages=1, fp8_f16_dot=True)]
 VARIANTS += HEADS + [dict(block_n=64, num_stages=1, page_tiles=True, prefetch=True)]   # query groups' adopted one
 
 
