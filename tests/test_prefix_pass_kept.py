@@ -26,10 +26,10 @@ from tests.test_cascade_decode_runs import _same_metadata
 BLOCK = 4
 
 
-def _runs(num_shards, interleave, lengths, steps, num_runs):
+def _runs(num_shards, interleave, lengths, steps, num_runs, block=BLOCK, num_blocks=256):
     """Forks of one source at ``lengths`` (the first the source itself) and ``num_runs`` decode runs of ``steps`` steps
     one after another, each with its own block tables (gathered afresh, as each run's are)."""
-    alloc = ShardedKVAllocator(num_shards, 256, BLOCK, interleave, max_rows=16)
+    alloc = ShardedKVAllocator(num_shards, num_blocks, block, interleave, max_rows=32)
     source = alloc.add_rows()
     alloc.finish(alloc.grow([(source, max(lengths))], [0]))
     rows = [source] + [alloc.fork_rows(source, n) for n in lengths[1:]]
