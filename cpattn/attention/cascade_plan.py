@@ -70,7 +70,10 @@ class PrefixSplitter:
     (the groups, their common pages, the shifted suffix table, the prefix table) is kept while the next step
     brings the same table (a decode run's steps share one table object; in-place changes are seen by the
     tensor's version). So a decode step over 16 forks of a 512K document pays a few small vector operations,
-    not a 2 MB table clone and a row-by-row shift (14 ms per step measured on a 2-core CPU: benchmarks/RESULTS.md)."""
+    not a 2 MB table clone and a row-by-row shift (14 ms per step measured on a 2-core CPU: benchmarks/RESULTS.md).
+    The prefix pass's metadata and rows are kept too while the groups and the query layout stay (a decode run's
+    steps, and the next run whose new table holds the same prefix pages): every such step gets the same object, so
+    a shard plans and moves that pass once (ShardLayerRunner._plan_prefix) and refills its graph buffers once."""
 
     def __init__(self, block_size: int, min_pages: int = 1):
         self.block_size, self.min_pages = block_size, min_pages
@@ -85,7 +88,7 @@ class PrefixSplitter:
         bs, table = self.block_size, md.block_table_tensor
         context = md.context_lens_cpu.tolist()
         active = [n > 0 for n in context]
-        kept = self._kept
+        kept = previous = self._kept   # read once: other threads replace it whole
         if kept is None or kept[0] is not table or kept[1] != table._version or kept[2] != active:
             kept = (table, table._version, active, common_page_runs(table, active), None)
         # A group's prefix: its whole common pages within the keys every member sees (context grows each step).
@@ -103,7 +106,7 @@ class PrefixSplitter:
             kept = kept[:4] + ((key, *_shifted_tables(table, groups), _shift(len(context), groups, bs), None),)
         if kept[4][4] is None or kept[4][4][0] != qsl:   # a decode run's steps: the same rows, the same prefix pass
             rows, prefix = _prefix_pass_metadata(md, groups, qsl, kept[4][2], bs)
-            before = self._kept[4][4] if self._kept is not None and self._kept[4] is not None else None
+            before = previous[4][4] if previous is not None and previous[4] is not None else None
             if before is not None and _same_pass(before[1], before[2], rows, prefix):
                 rows, prefix = before[1:]   # the next run's table holds the same prefix: keep its pass (and plan)
             kept = kept[:4] + (kept[4][:4] + ((qsl, rows, prefix),),)
