@@ -66,6 +66,21 @@ def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
         assert r["coordinator_ms_per_step"] > 0 and r["shard_ms_per_step"] > 0, r
 
 
+def test_shared_prefix_begin_smoke_opens_a_fork_step_with_one_questions_device_ops(tmp_path):
+    """benchmarks/shared_prefix_begin.py (a decode run's step opened on the client, forks vs one question, no GPU)
+    runs as printed; forks' steps move and launch no more on the device than one question's (issue 24: the prefix
+    pass is planned once per prefix), a run's first step included once the prefix was planned by a run before."""
+    out = tmp_path / "shared_prefix_begin.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_begin.py", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"one", "shared"} and rows["shared"]["batch"] == 4
+    assert rows["shared"]["device_ops"] == rows["one"]["device_ops"] > 0
+    assert rows["shared"]["first_device_ops"] == rows["one"]["first_device_ops"] > 0
+    assert rows["shared"]["host_ms"] > 0 and rows["one"]["first_host_ms"] > 0
+
+
 def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
     """Every published GPU case, at 1 and 2 GPUs and the README's repeat counts, allocates no more KV per GPU
     than --kv-budget-gb (a prefill once charged every repeat's tokens: 214 GB asked of a 140 GB H200)."""

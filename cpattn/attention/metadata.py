@@ -51,6 +51,13 @@ class CommonAttentionMetadata(TensorsAsArrays):
     block_table_cpu: torch.Tensor | None = None
     """(B, W) int64: the host table ``block_table_tensor`` was copied from (set by ``to``), so a backend that
     plans from the table (an fp8 cache's distinct pages) needs no device sync."""
+    slot_mapping_cpu: torch.Tensor | None = None
+    """(T,) int64: the host slots ``slot_mapping`` was copied from (set by ``to``), so a builder asks whether the
+    step writes here without a device sync (``bool()`` of a GPU tensor waits for every kernel queued before it)."""
+
+    def slots_on_host(self) -> torch.Tensor:
+        """(T,) the slot mapping on the CPU: the host copy ``to`` kept where there is one (no device sync)."""
+        return self.slot_mapping if self.slot_mapping_cpu is None else self.slot_mapping_cpu
 
     def window_key_start(self, window: int | None) -> torch.Tensor | None:
         """(T,) int64 on the CPU: the first *local* key index each query may read under a sliding window of
@@ -78,7 +85,9 @@ class CommonAttentionMetadata(TensorsAsArrays):
                        seq_lens=self.seq_lens.to(device),
                        block_table_tensor=table.to(device),
                        block_table_cpu=table if table.device.type == "cpu" else self.block_table_cpu,
-                       slot_mapping=self.slot_mapping.to(device))
+                       slot_mapping=self.slot_mapping.to(device),
+                       slot_mapping_cpu=self.slot_mapping if self.slot_mapping.device.type == "cpu"
+                       else self.slot_mapping_cpu)
 
 
 def _check_lens(query_lens: torch.Tensor, context_lens: torch.Tensor) -> None:

@@ -43,6 +43,8 @@ class DecodeGraphs:
         """Dynamic fp8 scales: the pages the step's own then replica slots write, derived once per step."""
         self.prefix: PrefixPass | None = None
         """The prefix pass's plan and rows in buffers (its q_start and into_rows are the bucket's)."""
+        self.prefix_source: PrefixPass | None = None
+        """The PrefixPass whose plan and rows the buffers hold (refilled only when a step brings another)."""
         self.disabled = False
 
     @staticmethod
@@ -78,9 +80,10 @@ class DecodeGraphs:
                                                                                          replica_slots])
             for buffer, value in zip(self.written, written_pages(slots, self.runner.config.block_size)):
                 buffer.copy_(value)
-        if prefix_pass is not None:
+        if prefix_pass is not None and prefix_pass is not self.prefix_source:   # a run's steps share one pass
             builder.refill(self.prefix.plan, prefix_pass.plan)
             self.prefix.rows.copy_(prefix_pass.rows)
+            self.prefix_source = prefix_pass   # held, so its id is not reused while kept
         return True
 
     def bucket(self, attn_metadata, replica_slots: torch.Tensor | None, prefix_pass: tuple | None) -> tuple | None:
@@ -148,7 +151,7 @@ class DecodeGraphs:
         dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
         no_writes = torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
         self.written = written_pages(no_writes, cfg.block_size) if dynamic_fp8 else None
-        self.prefix = None
+        self.prefix, self.prefix_source = None, None
         if prefix_pass is not None:
             self.prefix = replace(prefix_pass, plan=r.builder.make_static(prefix_pass.plan, key[4][0]),
                                   rows=torch.zeros_like(prefix_pass.rows))

@@ -95,6 +95,7 @@ class ShardLayerRunner:
                                and not any(w is not None for w in config.layer_windows()))
         self._prefix_builder = None   # its own builder: a FlashInfer builder's wrappers hold one plan each
         self._splitter = PrefixSplitter(self.kernel_block_size)
+        self._prefix_kept: tuple | None = None   # (the prefix metadata of the last split, its PrefixPass)
         self._device_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._tables_lock = threading.Lock()   # a shard plans its clients' steps on their own threads
         self.prefill_runner = None if len(both) == 1 else ShardLayerRunner(
@@ -149,7 +150,17 @@ class ShardLayerRunner:
 
     def _plan_prefix(self, split) -> PrefixPass:
         """The prefix pass of a split step: the backend's plan, and where its impl can merge into the suffix pass's
-        rows itself (attend_into_rows) the plan for that."""
+        rows itself (attend_into_rows) the plan for that. A decode run's steps bring the same prefix metadata
+        (PrefixSplitter keeps it): its pass is planned and moved to the device once, not per step (~25 copies and
+        launches on a GPU host, most of a forked step's extra time to open)."""
+        kept = self._prefix_kept
+        if kept is not None and kept[0] is split.prefix:
+            return kept[1]
+        prefix_pass = self._build_prefix(split)
+        self._prefix_kept = (split.prefix, prefix_pass)   # one tuple, replaced whole (a shard's clients' threads)
+        return prefix_pass
+
+    def _build_prefix(self, split) -> PrefixPass:
         if self._prefix_builder is None:
             self._prefix_builder = type(self.builder)(self.builder.spec)
         plan = self._prefix_builder.build(0, self._to_device(split.prefix))

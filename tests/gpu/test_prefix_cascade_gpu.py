@@ -102,6 +102,50 @@ def test_cascade_decode_steps_replay_captured_graphs(num_shards, interleave):
             assert torch.equal(eager.kv_caches[layer], graphed.kv_caches[layer])
 
 
+def test_runs_of_forks_keep_one_prefix_pass_and_equal_fresh_plans():
+    """Three decode runs over forks (TRITON, graphed): the prefix pass is planned once and its graph buffers filled
+    once for all of them (issue 24: ~25 device copies per step before), and every step's outputs equal an eager
+    runner's that plans each step afresh (a new runner per step: nothing kept), bit for bit, KV included."""
+    from tests.test_prefix_pass_kept import _runs
+
+    try:
+        cls = get_attn_backend("TRITON", head_size=D, dtype=torch.bfloat16, block_size=BLOCK, num_q_heads=HQ,
+                               num_kv_heads=HK, device="cuda")
+    except BackendUnavailableError as exc:
+        pytest.skip(f"TRITON unavailable here: {exc.reasons}")
+    cfg = cpattn.ServiceConfig(num_shards=1, num_layers=2, num_q_heads=HQ, num_kv_heads=HK, head_size=D,
+                               block_size=BLOCK, dtype="bfloat16", backend="TRITON", device="cuda",
+                               num_blocks_per_shard=256)
+    runs = _runs(1, 1, [1500] * 16, 4, 3, block=BLOCK, num_blocks=256)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cache = torch.randn(cls.get_kv_cache_shape(256, BLOCK, HK, D), generator=g, device="cuda").to(torch.bfloat16)
+    kept = ShardLayerRunner(cfg, cls, [cache.clone(), cache.clone()], torch.device("cuda"))
+    fresh_caches = [cache.clone(), cache.clone()]
+    graphs = kept.new_graphs()
+    built, build = [], kept._build_prefix
+    kept._build_prefix = lambda split: built.append(split) or build(split)
+    passes, replayed = set(), 0
+    for run in runs:
+        for j in range(len(run)):
+            plan = run.ranks[0].plan(j)
+            a = kept.plan(copy.deepcopy(plan), graphs)
+            fresh = ShardLayerRunner(cfg, cls, fresh_caches, torch.device("cuda"))
+            b = fresh.plan(copy.deepcopy(plan))
+            passes.add(id(a.prefix_pass))
+            replayed += a.graphs is not None
+            for layer in range(2):
+                q, k, v = (torch.randn(plan.num_tokens, h, D, generator=g, device="cuda").to(torch.bfloat16)
+                           for h in (HQ, HK, HK))
+                out_a, lse_a = kept.run_layer(a, layer, q, k, v)
+                out_b, lse_b = fresh.run_layer(b, layer, q, k, v)
+                assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    torch.cuda.synchronize()
+    assert len(built) == 1 and len(passes) == 1 and replayed >= 12 - 3   # each run's first step may copy on write
+    assert graphs.prefix_source is a.prefix_pass
+    for layer in range(2):
+        assert torch.equal(kept.kv_caches[layer], fresh_caches[layer])
+
+
 @pytest.mark.parametrize("n", [1, 3, 16, 17, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_merge_into_rows_on_the_gpu(n, dtype):

@@ -165,7 +165,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         table = common.block_table_tensor.clamp(min=0)
         return FlashAttentionMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
-            has_writes=bool((common.slot_mapping >= 0).any()),
+            has_writes=bool((common.slots_on_host() >= 0).any()),
             cu_seqlens_q=common.query_start_loc_cpu.to(i32).to(dev, non_blocking=True),
             seqused_k=seq.to(i32).to(dev, non_blocking=True), cu_seqlens_k=cu_k.to(i32).to(dev, non_blocking=True),
             page_table=table.to(dev, non_blocking=True).to(i32).contiguous(),

@@ -108,7 +108,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return TritonAttentionMetadata(
             num_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
-            has_writes=bool((common.slot_mapping >= 0).any()),     # one check per step, not per layer
+            has_writes=bool((common.slots_on_host() >= 0).any()),     # one check per step, not per layer
             decode_only=all(n == 1 for n in q_lens),   # tokens 0..T-1 in order, one per request (graphs rely on it)
             block_table=common.block_table_tensor.to(dev, non_blocking=True),
             dec_tok=torch.tensor(dec_toks, **i32).to(dev, non_blocking=True),
