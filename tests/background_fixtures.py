@@ -1,0 +1,150 @@
+"""Module fixtures that mostly wait, run while other tests run: the multi-host netns scenario (~60 s, most of it
+partitions and timeouts running out) and the local multi-node scenarios (~30 s). Each runs its whole scenario in
+processes of its own and hands its test module a result to assert on, so it can start at the session's start.
+
+A module registers its scenario at import (``register``); conftest.py starts the registered scenarios of the
+selected modules, one after another in one background thread, once collection is done (``start``), and its
+fixture picks the result up (``result``: waits for it, re-raises its error). The scenarios' claims include time
+bounds (tests/suite_lanes.py puts them in the ``alone`` lane), so:
+
+- the background thread runs at nice -10 (a Linux nice value is per thread, and the processes it starts inherit
+  it): on CI's 2 cores the scenario's processes take the CPU they ask for first, and the foreground test gets what
+  they leave idle (scheduler weight 9548 against 1024);
+- a foreground test in the ``alone`` lane waits for every background scenario to end before it starts, and
+  conftest.py orders the modules with alone tests after the others, so that the scenarios overlap heavy and light
+  tests (generous timeouts only) and none with a time bound of its own;
+- without the privilege to raise the priority (not root), in an xdist run, or with CPATTN_TEST_BACKGROUND=0,
+  nothing runs in the background: the fixture runs its scenario itself, as before.
+
+A scenario started and never picked up (a run stopped by -x or Ctrl-C) is aborted and joined at the session's end:
+each scenario cleans up its own processes in its ``finally`` (killing them by PID), so ``abort`` only ends its
+driver early.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+BACKGROUND_NICE = -10
+JOIN_TIMEOUT_S = 900   # the scenarios' own timeouts (300 s each, plus cleanup) end them well before this
+
+
+@dataclass
+class Scenario:
+    module: str                                   # the test module's file name (test_x.py)
+    run: Callable[["Scenario"], Any]              # the scenario; returns what the module's fixture yields
+    aborted: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+    started_s: float | None = None
+    took_s: float | None = None
+    in_background: bool = False
+
+    def execute(self) -> None:
+        self.started_s = time.monotonic()
+        try:
+            self.value = self.run(self)
+        except BaseException as exc:   # re-raised in the test that asks for the result
+            self.error = exc
+        finally:
+            self.took_s = time.monotonic() - self.started_s
+            self.done.set()
+
+
+_registered: dict[str, Scenario] = {}
+_thread: threading.Thread | None = None
+
+
+def register(module_file: str, run: Callable[[Scenario], Any]) -> None:
+    """``run(scenario)`` is ``module_file``'s scenario; it should end early once ``scenario.aborted`` is set."""
+    module = Path(module_file).name
+    if module not in _registered:   # a module imported twice keeps its first registration
+        _registered[module] = Scenario(module, run)
+
+
+def registered() -> set[str]:
+    return set(_registered)
+
+
+def can_raise_priority() -> bool:
+    """Whether a thread of this process may take BACKGROUND_NICE (root with CAP_SYS_NICE): tried in a thread.
+    CPATTN_TEST_BACKGROUND=0 says no (every fixture then runs its scenario itself: to compare, or to debug)."""
+    if os.environ.get("CPATTN_TEST_BACKGROUND") == "0":
+        return False
+    allowed = []
+
+    def probe() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            allowed.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, name="nice-probe")
+    thread.start()
+    thread.join()
+    return bool(allowed)
+
+
+def start(modules: set[str]) -> list[str]:
+    """Start the registered scenarios of ``modules`` in the background; returns the modules started."""
+    global _thread
+    chosen = [s for m, s in _registered.items() if m in modules and not s.done.is_set()]
+    if not chosen or _thread is not None or not can_raise_priority():
+        return []
+    for scenario in chosen:
+        scenario.in_background = True
+
+    def run_all() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)   # this thread only
+        for scenario in chosen:
+            if scenario.aborted.is_set():
+                scenario.error = RuntimeError("aborted before it started")
+                scenario.done.set()
+            else:
+                scenario.execute()
+
+    _thread = threading.Thread(target=run_all, name="background-scenarios", daemon=True)
+    _thread.start()
+    return [s.module for s in chosen]
+
+
+def running() -> bool:
+    return _thread is not None and _thread.is_alive()
+
+
+def wait_all(timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Until no background scenario runs (before a test with a time bound of its own)."""
+    if _thread is not None:
+        _thread.join(timeout_s)
+
+
+def result(module_file: str) -> Any:
+    """The scenario's result: waited for when it runs in the background, run here when it was never started."""
+    scenario = _registered[Path(module_file).name]
+    if not scenario.in_background and not scenario.done.is_set():
+        scenario.execute()
+    if not scenario.done.wait(JOIN_TIMEOUT_S):
+        raise TimeoutError(f"the background scenario of {scenario.module} did not end within {JOIN_TIMEOUT_S} s")
+    if scenario.error is not None:
+        raise scenario.error
+    return scenario.value
+
+
+def abort_and_join() -> None:
+    """At the session's end: scenarios never picked up end early and clean up; returns once the thread is done."""
+    for scenario in _registered.values():
+        scenario.aborted.set()
+    wait_all()
+
+
+def summary() -> list[str]:
+    """One line per scenario that ran in the background, for the terminal summary (durations show ~0 s)."""
+    return [f"{s.module}: scenario ran in the background for {s.took_s:.1f} s" for s in _registered.values()
+            if s.in_background and s.took_s is not None]
