@@ -92,10 +92,10 @@ def can_raise_priority() -> bool:
     return bool(allowed)
 
 
-def start(modules: set[str]) -> list[str]:
-    """Start the registered scenarios of ``modules`` in the background; returns the modules started."""
+def start(modules: list[str]) -> list[str]:
+    """Start the registered scenarios of ``modules`` in the background, in that order; returns those started."""
     global _thread
-    chosen = [s for m, s in _registered.items() if m in modules and not s.done.is_set()]
+    chosen = [_registered[m] for m in modules if m in _registered and not _registered[m].done.is_set()]
     if not chosen or _thread is not None or not can_raise_priority():
         return []
     for scenario in chosen:

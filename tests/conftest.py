@@ -66,8 +66,10 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 
 
-def _background_modules(items) -> set[str]:
-    return {_module(i) for i in items} & background_fixtures.registered()
+def _background_modules(items) -> list[str]:
+    """The selected modules with a background scenario, in the order their tests run (the first needed first)."""
+    modules = dict.fromkeys(_module(i) for i in items)
+    return [m for m in modules if m in background_fixtures.registered()]
 
 
 @pytest.hookimpl(wrapper=True)
