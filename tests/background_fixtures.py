@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 BACKGROUND_NICE = -10
-JOIN_TIMEOUT_S = 900   # the scenarios' own timeouts (300 s each, plus cleanup) end them well before this
+JOIN_TIMEOUT_S = 900   # the scenarios' own timeouts (300 s at most each, plus cleanup) end them before this
 
 
 @dataclass
@@ -57,21 +57,6 @@ class Scenario:
             self.done.set()
 
 
-_registered: dict[str, Scenario] = {}
-_thread: threading.Thread | None = None
-
-
-def register(module_file: str, run: Callable[[Scenario], Any]) -> None:
-    """``run(scenario)`` is ``module_file``'s scenario; it should end early once ``scenario.aborted`` is set."""
-    module = Path(module_file).name
-    if module not in _registered:   # a module imported twice keeps its first registration
-        _registered[module] = Scenario(module, run)
-
-
-def registered() -> set[str]:
-    return set(_registered)
-
-
 def can_raise_priority() -> bool:
     """Whether a thread of this process may take BACKGROUND_NICE (root with CAP_SYS_NICE): tried in a thread.
     CPATTN_TEST_BACKGROUND=0 says no (every fixture then runs its scenario itself: to compare, or to debug)."""
@@ -92,59 +77,75 @@ def can_raise_priority() -> bool:
     return bool(allowed)
 
 
-def start(modules: list[str]) -> list[str]:
-    """Start the registered scenarios of ``modules`` in the background, in that order; returns those started."""
-    global _thread
-    chosen = [_registered[m] for m in modules if m in _registered and not _registered[m].done.is_set()]
-    if not chosen or _thread is not None or not can_raise_priority():
-        return []
-    for scenario in chosen:
-        scenario.in_background = True
+class Background:
+    """The registered scenarios and the one thread that runs the started ones, one after another."""
 
-    def run_all() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)   # this thread only
+    def __init__(self, join_timeout_s: float = JOIN_TIMEOUT_S):
+        self._registered: dict[str, Scenario] = {}
+        self._thread: threading.Thread | None = None
+        self._join_timeout_s = join_timeout_s
+
+    def register(self, module_file: str, run: Callable[[Scenario], Any]) -> None:
+        """``run(scenario)`` is ``module_file``'s scenario; it should end early once ``scenario.aborted`` is set."""
+        self._registered.setdefault(Path(module_file).name, Scenario(Path(module_file).name, run))
+
+    def registered(self) -> set[str]:
+        return set(self._registered)
+
+    def start(self, modules: list[str]) -> list[str]:
+        """Start the registered scenarios of ``modules`` in the background, in that order; returns those started."""
+        chosen = [self._registered[m] for m in modules if m in self._registered and not self._registered[m].done.is_set()]
+        if not chosen or self._thread is not None or not can_raise_priority():
+            return []
         for scenario in chosen:
-            if scenario.aborted.is_set():
-                scenario.error = RuntimeError("aborted before it started")
-                scenario.done.set()
-            else:
-                scenario.execute()
+            scenario.in_background = True
 
-    _thread = threading.Thread(target=run_all, name="background-scenarios", daemon=True)
-    _thread.start()
-    return [s.module for s in chosen]
+        def run_all() -> None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)   # this thread only
+            for scenario in chosen:
+                if scenario.aborted.is_set():
+                    scenario.error = RuntimeError("aborted before it started")
+                    scenario.done.set()
+                else:
+                    scenario.execute()
+
+        self._thread = threading.Thread(target=run_all, name="background-scenarios", daemon=True)
+        self._thread.start()
+        return [s.module for s in chosen]
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_all(self) -> None:
+        """Until no background scenario runs (before a test with a time bound of its own)."""
+        if self._thread is not None:
+            self._thread.join(self._join_timeout_s)
+
+    def result(self, module_file: str) -> Any:
+        """The scenario's result: waited for when it runs in the background, run here when it was never started."""
+        scenario = self._registered[Path(module_file).name]
+        if not scenario.in_background and not scenario.done.is_set():
+            scenario.execute()
+        if not scenario.done.wait(self._join_timeout_s):
+            raise TimeoutError(f"the background scenario of {scenario.module} did not end within "
+                               f"{self._join_timeout_s} s")
+        if scenario.error is not None:
+            raise scenario.error
+        return scenario.value
+
+    def abort_and_join(self) -> None:
+        """At the session's end: scenarios never picked up end early and clean up; returns once the thread ended."""
+        for scenario in self._registered.values():
+            scenario.aborted.set()
+        self.wait_all()
+
+    def summary(self) -> list[str]:
+        """One line per scenario that ran in the background, for the terminal summary (durations show ~0 s)."""
+        return [f"{s.module}: scenario ran in the background for {s.took_s:.1f} s" for s in self._registered.values()
+                if s.in_background and s.took_s is not None]
 
 
-def running() -> bool:
-    return _thread is not None and _thread.is_alive()
-
-
-def wait_all(timeout_s: float = JOIN_TIMEOUT_S) -> None:
-    """Until no background scenario runs (before a test with a time bound of its own)."""
-    if _thread is not None:
-        _thread.join(timeout_s)
-
-
-def result(module_file: str) -> Any:
-    """The scenario's result: waited for when it runs in the background, run here when it was never started."""
-    scenario = _registered[Path(module_file).name]
-    if not scenario.in_background and not scenario.done.is_set():
-        scenario.execute()
-    if not scenario.done.wait(JOIN_TIMEOUT_S):
-        raise TimeoutError(f"the background scenario of {scenario.module} did not end within {JOIN_TIMEOUT_S} s")
-    if scenario.error is not None:
-        raise scenario.error
-    return scenario.value
-
-
-def abort_and_join() -> None:
-    """At the session's end: scenarios never picked up end early and clean up; returns once the thread is done."""
-    for scenario in _registered.values():
-        scenario.aborted.set()
-    wait_all()
-
-
-def summary() -> list[str]:
-    """One line per scenario that ran in the background, for the terminal summary (durations show ~0 s)."""
-    return [f"{s.module}: scenario ran in the background for {s.took_s:.1f} s" for s in _registered.values()
-            if s.in_background and s.took_s is not None]
+# The session's scenarios (test modules register at import; conftest.py starts, waits and aborts).
+SESSION = Background()
+register, registered, start, running = SESSION.register, SESSION.registered, SESSION.start, SESSION.running
+wait_all, result, abort_and_join, summary = SESSION.wait_all, SESSION.result, SESSION.abort_and_join, SESSION.summary

@@ -37,6 +37,7 @@ def pytest_unconfigure(config):
 
 
 _LANES = pytest.StashKey()
+_AFTER_BACKGROUND = pytest.StashKey()   # modules whose tests start once no background scenario runs
 
 
 def _in_xdist(config) -> bool:
@@ -52,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
         if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
             has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
             items[:] = sorted(items, key=lambda i: _module(i) in has_alone)   # stable: module order kept otherwise
+            config.stash[_AFTER_BACKGROUND] = has_alone
         return
     by_module: dict[str, list] = {}
     for item in items:
@@ -92,11 +94,13 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Each test's setup, call and teardown in its lane: only in an xdist worker. In one process, an alone test
-    starts once no background scenario runs."""
+    """Each test's setup, call and teardown in its lane: only in an xdist worker. In one process, every test of a
+    module with an alone test (and any alone test) starts once no background scenario runs."""
     lanes = item.config.stash.get(_LANES, None)
     if lanes is None:
-        if background_fixtures.running() and suite_lanes.lane(item.nodeid) == "alone":
+        after_background = item.config.stash.get(_AFTER_BACKGROUND, set())
+        if background_fixtures.running() and (suite_lanes.lane(item.nodeid) == "alone"
+                                               or _module(item) in after_background):
             background_fixtures.wait_all()
         yield
         return
