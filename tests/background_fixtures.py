@@ -1,18 +1,21 @@
 """Module fixtures that mostly wait, run while other tests run: the multi-host netns scenario (~60 s, most of it
-partitions and timeouts running out) and the local multi-node scenarios (~30 s). Each runs its whole scenario in
-processes of its own and hands its test module a result to assert on, so it can start at the session's start.
+partitions and timeouts running out), the local multi-node scenarios (~30 s), the long-context job pair (~30 s)
+and the README's client snippet (~15 s). Each runs its whole scenario in processes of its own and hands its test
+module a result to assert on, so it can start at the session's start.
 
 A module registers its scenario at import (``register``); conftest.py starts the registered scenarios of the
 selected modules, one after another in one background thread, once collection is done (``start``), and its
-fixture picks the result up (``result``: waits for it, re-raises its error). The scenarios' claims include time
-bounds (tests/suite_lanes.py puts them in the ``alone`` lane), so:
+fixture picks the result up (``result``: waits for it, re-raises its error). The netns and multi-node scenarios'
+claims include time bounds (tests/suite_lanes.py puts them in the ``alone`` lane), so:
 
-- the background thread runs at nice -10 (a Linux nice value is per thread, and the processes it starts inherit
-  it): on CI's 2 cores the scenario's processes take the CPU they ask for first, and the foreground test gets what
-  they leave idle (scheduler weight 9548 against 1024);
-- a foreground test in the ``alone`` lane waits for every background scenario to end before it starts, and
-  conftest.py orders the modules with alone tests after the others, so that the scenarios overlap heavy and light
-  tests (generous timeouts only) and none with a time bound of its own;
+- the background thread runs such a scenario at nice -10 (a Linux nice value is per thread, and the processes it
+  starts inherit it): on CI's 2 cores the scenario's processes take the CPU they ask for first, and the foreground
+  test gets what they leave idle (scheduler weight 9548 against 1024). A scenario without time bounds (the
+  long-context job pair, the README snippet) runs at the session's own priority: it shares the CPU as an equal
+  and starves nothing;
+- every test of a module with an alone test waits for every background scenario to end before it starts, and
+  conftest.py orders those modules after the others, so that the scenarios overlap heavy and light tests
+  (generous timeouts only) and none with a time bound of its own;
 - without the privilege to raise the priority (not root), in an xdist run, or with CPATTN_TEST_BACKGROUND=0,
   nothing runs in the background: the fixture runs its scenario itself, as before.
 
@@ -38,6 +41,7 @@ JOIN_TIMEOUT_S = 900   # the scenarios' own timeouts (300 s at most each, plus c
 class Scenario:
     module: str                                   # the test module's file name (test_x.py)
     run: Callable[["Scenario"], Any]              # the scenario; returns what the module's fixture yields
+    time_bounds: bool = True                      # its claims include time bounds: it runs at BACKGROUND_NICE
     aborted: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
@@ -85,9 +89,12 @@ class Background:
         self._thread: threading.Thread | None = None
         self._join_timeout_s = join_timeout_s
 
-    def register(self, module_file: str, run: Callable[[Scenario], Any]) -> None:
-        """``run(scenario)`` is ``module_file``'s scenario; it should end early once ``scenario.aborted`` is set."""
-        self._registered.setdefault(Path(module_file).name, Scenario(Path(module_file).name, run))
+    def register(self, module_file: str, run: Callable[[Scenario], Any], time_bounds: bool = True) -> None:
+        """``run(scenario)`` is ``module_file``'s scenario; it should end early once ``scenario.aborted`` is set.
+        ``time_bounds=False``: nothing it asserts is a time bound, so it runs at this process's priority, sharing
+        the CPU with the foreground test as an equal (it only takes what the foreground leaves idle, more or less)."""
+        name = Path(module_file).name
+        self._registered.setdefault(name, Scenario(name, run, time_bounds))
 
     def registered(self) -> set[str]:
         return set(self._registered)
@@ -99,10 +106,12 @@ class Background:
             return []
         for scenario in chosen:
             scenario.in_background = True
+        own_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
         def run_all() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)   # this thread only
             for scenario in chosen:
+                nice = BACKGROUND_NICE if scenario.time_bounds else own_nice
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)   # this thread only
                 if scenario.aborted.is_set():
                     scenario.error = RuntimeError("aborted before it started")
                     scenario.done.set()

@@ -1,5 +1,5 @@
 """tests/background_fixtures.py: a scenario's result or error reaches the test that asks for it, whether it ran in
-the background (at nice -10, which the processes it starts inherit) or, never started, in the asking test; an
+the background (at nice -10, which the processes it starts inherit, when its claims include time bounds) or, never started, in the asking test; an
 abort ends a scenario that waits for it."""
 
 from __future__ import annotations
@@ -43,14 +43,17 @@ def test_background_scenarios_run_in_order_at_nice_minus_10_and_their_processes_
 
     for name in ("test_a.py", "test_b.py", "test_c.py"):
         background.register(name, scenario(name))
-    assert background.start(["test_b.py", "test_a.py", "test_not_registered.py"]) == ["test_b.py", "test_a.py"]
+    background.register("test_d.py", scenario("test_d.py"), time_bounds=False)
+    started = background.start(["test_b.py", "test_d.py", "test_a.py", "test_not_registered.py"])
+    assert started == ["test_b.py", "test_d.py", "test_a.py"]
     assert background.start(["test_c.py"]) == []   # one background thread per session
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert background.result("test_a.py") == (BACKGROUND_NICE, BACKGROUND_NICE)
     assert background.result("test_b.py") == (BACKGROUND_NICE, BACKGROUND_NICE)
-    assert order == ["test_b.py", "test_a.py"]
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert background.result("test_d.py") == (mine, mine)   # no time bounds: the session's own priority
+    assert order == ["test_b.py", "test_d.py", "test_a.py"]
     assert background.result("test_c.py") == (mine, mine)   # never started: run here, at this thread's priority
-    assert [line.split(":")[0] for line in background.summary()] == ["test_a.py", "test_b.py"]
+    assert [line.split(":")[0] for line in background.summary()] == ["test_a.py", "test_b.py", "test_d.py"]
     background.wait_all()
     assert not background.running()
 

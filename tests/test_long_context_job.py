@@ -82,7 +82,7 @@ def _run_jobs(background) -> dict:
             proc.wait()
 
 
-background_fixtures.register(__file__, _run_jobs)
+background_fixtures.register(__file__, _run_jobs, time_bounds=False)
 
 
 @pytest.fixture(scope="module")

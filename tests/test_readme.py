@@ -52,7 +52,7 @@ def _run_client_snippet(background) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-background_fixtures.register(__file__, _run_client_snippet)
+background_fixtures.register(__file__, _run_client_snippet, time_bounds=False)
 
 
 def test_client_snippet_runs_as_printed_from_the_parent_of_a_cpattn_checkout():
