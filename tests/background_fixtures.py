@@ -154,6 +154,24 @@ class Background:
                 if s.in_background and s.took_s is not None]
 
 
+def communicate(proc, timeout_s: float, aborted: threading.Event | None) -> tuple[str, str]:
+    """``proc.communicate(timeout=timeout_s)`` (a subprocess.Popen with pipes), except that once ``aborted`` is set
+    the process is killed and RuntimeError raised: a scenario's driver ends early at the session's end."""
+    import subprocess
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if aborted is not None and aborted.is_set():
+                proc.kill()
+                proc.communicate()
+                raise RuntimeError("aborted at the session's end") from None
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s) from None
+
+
 # The session's scenarios (test modules register at import; conftest.py starts, waits and aborts).
 SESSION = Background()
 register, registered, start, running = SESSION.register, SESSION.registered, SESSION.start, SESSION.running

@@ -79,3 +79,20 @@ def test_an_abort_ends_a_waiting_scenario_and_one_not_started_raises():
         background.result("test_waits.py")
     with pytest.raises(RuntimeError, match="aborted before it started"):
         background.result("test_later.py")
+
+
+def test_communicate_returns_the_output_times_out_with_its_limit_and_kills_on_abort():
+    def sleeper(seconds: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", f"import time; print('up', flush=True); time.sleep({seconds})"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    assert background_fixtures.communicate(sleeper(0), 60, threading.Event()) == ("up\n", "")
+    slow = sleeper(60)
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        background_fixtures.communicate(slow, 1.5, None)
+    assert info.value.timeout == 1.5 and slow.poll() is None   # the caller decides what to do with it
+    aborted = threading.Event()
+    threading.Timer(0.5, aborted.set).start()
+    with pytest.raises(RuntimeError, match="aborted at the session's end"):
+        background_fixtures.communicate(slow, 60, aborted)
+    assert slow.poll() is not None   # killed

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -48,7 +47,7 @@ def _run_scenario(background: Scenario) -> dict:
         proc = cluster.popen(0, [sys.executable, str(ROOT / "tests" / "multihost_netns_scenario.py"), json.dumps(spec)])
         cluster.start_worker()
         worker_up.touch()
-        stdout, stderr = _communicate(proc, SCENARIO_TIMEOUT_S, background.aborted)
+        stdout, stderr = background_fixtures.communicate(proc, SCENARIO_TIMEOUT_S, background.aborted)
         phases = {}
         for line in stdout.splitlines():
             if line.startswith("PHASE "):
@@ -59,20 +58,6 @@ def _run_scenario(background: Scenario) -> dict:
         pytest.fail(f"the scenario did not finish within {exc.timeout}s")
     finally:
         cluster.destroy()
-
-
-def _communicate(proc: subprocess.Popen, timeout_s: float, aborted) -> tuple[str, str]:
-    """``proc.communicate(timeout=timeout_s)``, ended early (the driver killed) once ``aborted`` is set."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return proc.communicate(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            if aborted.is_set():
-                proc.kill()
-                return proc.communicate()
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(proc.args, timeout_s) from None
 
 
 if _why_not is None:

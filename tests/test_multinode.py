@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ def _run_script(name: str, timeout_s: float, aborted=None) -> dict:
                             stderr=subprocess.PIPE, text=True, cwd=ROOT / "tests", start_new_session=True,
                             env={**_env(), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     try:
-        stdout, stderr = _communicate(proc, timeout_s, aborted)
+        stdout, stderr = background_fixtures.communicate(proc, timeout_s, aborted)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -45,18 +44,6 @@ def _run_script(name: str, timeout_s: float, aborted=None) -> dict:
             pass
     assert proc.returncode == 0, stderr[-4000:]
     return json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
-
-
-def _communicate(proc: subprocess.Popen, timeout_s: float, aborted) -> tuple[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return proc.communicate(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            if aborted is not None and aborted.is_set():
-                raise RuntimeError("aborted at the session's end") from None
-            if time.monotonic() > deadline:
-                raise
 
 
 # Both scenarios on one local cluster, in one process (a cluster start was most of each test's time); it may run at

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -35,16 +34,11 @@ def _run_client_snippet(background) -> dict:
         proc = subprocess.Popen([sys.executable, "snippet.py"], cwd=work, env=user_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    out, err = proc.communicate(timeout=1.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() > deadline or background.aborted.is_set():
-                        proc.kill()
-                        out, err = proc.communicate()
-                        return {"snippet": snippet, "returncode": None, "out": out, "err": err}
+            out, err = background_fixtures.communicate(proc, 180, background.aborted)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            return {"snippet": snippet, "returncode": None, "out": out, "err": err}
         finally:
             kill_session(proc.pid)
         return {"snippet": snippet, "returncode": proc.returncode, "out": out, "err": err}
