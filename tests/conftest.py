@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+import background_fixtures
 import suite_lanes
 
 
@@ -36,11 +37,23 @@ def pytest_unconfigure(config):
 
 
 _LANES = pytest.StashKey()
+_AFTER_BACKGROUND = pytest.StashKey()   # modules whose tests start once no background scenario runs
 
 
+def _in_xdist(config) -> bool:
+    return getattr(config, "workerinput", None) is not None or bool(getattr(config.option, "numprocesses", None))
+
+
+@pytest.hookimpl(trylast=True)   # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
-    """In xdist workers: modules in the order of suite_lanes.module_order (tests keep their order in a module)."""
+    """In xdist workers: modules in the order of suite_lanes.module_order (tests keep their order in a module).
+    In one process with background scenarios to run (tests/background_fixtures.py): the modules with an alone
+    test after the others, so that the scenarios overlap tests without time bounds of their own."""
     if getattr(config, "workerinput", None) is None:
+        if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
+            has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
+            items[:] = sorted(items, key=lambda i: _module(i) in has_alone)   # stable: module order kept otherwise
+            config.stash[_AFTER_BACKGROUND] = has_alone
         return
     by_module: dict[str, list] = {}
     for item in items:
@@ -51,11 +64,44 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ordered
 
 
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+def _background_modules(items) -> list[str]:
+    """The selected modules with a background scenario, in the order their tests run (the first needed first)."""
+    modules = dict.fromkeys(_module(i) for i in items)
+    return [m for m in modules if m in background_fixtures.registered()]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    """Start the selected modules' background scenarios (one process, not --collect-only); at the end, those
+    never picked up (-x, Ctrl-C) are aborted and joined."""
+    if session.config.option.collectonly or _in_xdist(session.config):
+        return (yield)
+    background_fixtures.start(_background_modules(session.items))
+    try:
+        return (yield)
+    finally:
+        background_fixtures.abort_and_join()
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in background_fixtures.summary():
+        terminalreporter.write_line(line)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Each test's setup, call and teardown in its lane: only in an xdist worker."""
+    """Each test's setup, call and teardown in its lane: only in an xdist worker. In one process, every test of a
+    module with an alone test (and any alone test) starts once no background scenario runs."""
     lanes = item.config.stash.get(_LANES, None)
     if lanes is None:
+        after_background = item.config.stash.get(_AFTER_BACKGROUND, set())
+        if background_fixtures.running() and (suite_lanes.lane(item.nodeid) == "alone"
+                                               or _module(item) in after_background):
+            background_fixtures.wait_all()
         yield
         return
     with lanes.hold(suite_lanes.lane(item.nodeid)):

@@ -6,12 +6,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+import background_fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,11 +42,14 @@ PLAIN = dict(prompt_len=300, chunk=64, new=10, batch=2, seed=3)
 QUESTIONS = dict(prompt_len=70, chunk=32, new=4, questions=3, question_len=5, seed=4)
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Both runs started at once, side by side (each is mostly its imports and its Ray's start, which leave
-    the second core idle); each test waits for its own. {name: (process, its --json-out path)}."""
-    out = tmp_path_factory.mktemp("jobs")
+JOB_TIMEOUT_S = 240   # two at once: 150 s each when they ran one at a time
+
+
+def _run_jobs(background) -> dict:
+    """Both runs started at once, side by side (each is mostly its imports and its Ray's start, which leave the
+    second core idle), and waited for; tests/background_fixtures.py may run this at the session's start, beside
+    other tests. {"dir": their files, "returncode": {name: exit status, or None when it did not end in time}}."""
+    out = Path(tempfile.mkdtemp(prefix="cpattn-jobs-"))
     argv = {
         "plain": ["--prompt-len", str(PLAIN["prompt_len"]), "--chunk-size", str(PLAIN["chunk"]), "--max-new-tokens",
                   str(PLAIN["new"]), "--batch", str(PLAIN["batch"]), "--seed", str(PLAIN["seed"]), "--shards", "3",
@@ -52,28 +60,46 @@ def jobs(tmp_path_factory):
                       "--shards", "3", "--block-size", "16", "--no-progress"],
     }
     procs = {}
-    for name, args in argv.items():   # output to files: a pipe nobody reads yet could fill and stall a job
-        with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
-            procs[name] = (subprocess.Popen([sys.executable, str(JOB), *args, "--json-out", str(out / f"{name}.json")],
-                                            stdout=stdout, stderr=stderr, cwd=ROOT, env=_env()), out / name)
     try:
-        yield procs
+        for name, args in argv.items():   # output to files: a pipe nobody reads yet could fill and stall a job
+            with open(out / f"{name}.out", "w") as stdout, open(out / f"{name}.err", "w") as stderr:
+                procs[name] = subprocess.Popen([sys.executable, str(JOB), *args, "--json-out", str(out / f"{name}.json")],
+                                               stdout=stdout, stderr=stderr, cwd=ROOT, env=_env())
+        returncode = {}
+        for name, proc in procs.items():
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while proc.poll() is None and time.monotonic() < deadline and not background.aborted.is_set():
+                time.sleep(0.1)
+            returncode[name] = proc.poll()
+        return {"dir": out, "returncode": returncode}
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
-        for proc, _ in procs.values():
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
 
 
+background_fixtures.register(__file__, _run_jobs, time_bounds=False)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    finished = background_fixtures.result(__file__)
+    try:
+        yield finished
+    finally:
+        shutil.rmtree(finished["dir"], ignore_errors=True)
+
+
 def _finished(jobs, name: str):
     """(stdout, the JSON the job wrote) once it exited 0."""
-    proc, out = jobs[name]
-    try:
-        proc.wait(timeout=240)   # two at once: 150 s each when they ran one at a time
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the {name} job did not finish within 240 s")
-    assert proc.returncode == 0, out.with_suffix(".err").read_text()[-3000:]
+    code, out = jobs["returncode"][name], jobs["dir"] / name
+    if code is None:
+        pytest.fail(f"the {name} job did not finish within {JOB_TIMEOUT_S} s")
+    assert code == 0, out.with_suffix(".err").read_text()[-3000:]
     return out.with_suffix(".out").read_text(), json.loads(out.with_suffix(".json").read_text())
 
 

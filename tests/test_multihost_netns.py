@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import background_fixtures
+from background_fixtures import Scenario
 from netns_cluster import ROOT, NetnsCluster, netns_unavailable
 
 COLLECTIVE_TIMEOUT_S = 5.0
@@ -23,13 +25,15 @@ SHORT_PARTITION_S = 3.0    # < shard_hang_timeout_s (and < collective_timeout_s:
 LONG_PARTITION_S = 14.0    # > shard_hang_timeout_s: the shard beyond it is replaced
 # README "Network partitions": a failed step ends within collective_timeout_s + 10 s.
 STEP_ERROR_BOUND_S = COLLECTIVE_TIMEOUT_S + 10.0
+SCENARIO_TIMEOUT_S = 300
 
 _why_not = netns_unavailable()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"multi-host via network namespaces: {_why_not}")
 
 
-@pytest.fixture(scope="module")
-def scenario() -> dict:
+def _run_scenario(background: Scenario) -> dict:
+    """The whole scenario (tests/background_fixtures.py may run it at the session's start, beside other tests):
+    the cluster, the driver's PHASE lines, the cluster's removal."""
     cluster = NetnsCluster()
     try:
         cluster.create()
@@ -43,7 +47,7 @@ def scenario() -> dict:
         proc = cluster.popen(0, [sys.executable, str(ROOT / "tests" / "multihost_netns_scenario.py"), json.dumps(spec)])
         cluster.start_worker()
         worker_up.touch()
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = background_fixtures.communicate(proc, SCENARIO_TIMEOUT_S, background.aborted)
         phases = {}
         for line in stdout.splitlines():
             if line.startswith("PHASE "):
@@ -54,6 +58,15 @@ def scenario() -> dict:
         pytest.fail(f"the scenario did not finish within {exc.timeout}s")
     finally:
         cluster.destroy()
+
+
+if _why_not is None:
+    background_fixtures.register(__file__, _run_scenario)
+
+
+@pytest.fixture(scope="module")
+def scenario() -> dict:
+    return background_fixtures.result(__file__)
 
 
 def test_hostnames_resolve_to_loopback_in_both_hosts(scenario):

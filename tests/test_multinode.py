@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import background_fixtures
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,13 +27,14 @@ def _env(**extra) -> dict:
     return dict(env, PYTHONPATH=str(ROOT), **extra)
 
 
-def _run_script(name: str, timeout_s: float) -> dict:
-    """Run tests/<name> in its own process group; return its RESULT line as a dict."""
+def _run_script(name: str, timeout_s: float, aborted=None) -> dict:
+    """Run tests/<name> in its own process group; return its RESULT line as a dict. ``aborted`` (an Event): kill
+    it early once set (tests/background_fixtures.py, at the session's end)."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / name)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT / "tests", start_new_session=True,
                             env={**_env(), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = background_fixtures.communicate(proc, timeout_s, aborted)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -43,10 +46,14 @@ def _run_script(name: str, timeout_s: float) -> dict:
     return json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
 
 
+# Both scenarios on one local cluster, in one process (a cluster start was most of each test's time); it may run at
+# the session's start, beside other tests (tests/background_fixtures.py).
+background_fixtures.register(__file__, lambda background: _run_script("multinode_check.py", 300, background.aborted))
+
+
 @pytest.fixture(scope="module")
 def scenarios() -> dict:
-    """Both scenarios on one local cluster, in one process: a cluster start was most of each test's time."""
-    return _run_script("multinode_check.py", 300)
+    return background_fixtures.result(__file__)
 
 
 def test_spread_places_shards_on_every_node_and_stays_exact(scenarios):

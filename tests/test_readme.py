@@ -11,28 +11,52 @@ from __future__ import annotations
 import ast
 import importlib.util
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+import background_fixtures
 from user_env import ROOT, kill_session, readme_blocks, user_env
 
 
-def test_client_snippet_runs_as_printed_from_the_parent_of_a_cpattn_checkout(tmp_path):
+def _run_client_snippet(background) -> dict:
+    """The snippet run as printed, from the parent of a checkout named cpattn; tests/background_fixtures.py may
+    run this at the session's start, beside other tests. Its exit status (None: not within 180 s) and output."""
     (snippet,) = [body for before, body in readme_blocks("python")]
-    assert len(snippet.strip().splitlines()) == 10   # "The client API in ten lines"
-    (tmp_path / "snippet.py").write_text(snippet)
-    (tmp_path / "cpattn").symlink_to(ROOT, target_is_directory=True)   # a checkout named cpattn, next to it
-    proc = subprocess.Popen([sys.executable, "snippet.py"], cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    work = Path(tempfile.mkdtemp(prefix="cpattn-snippet-"))
     try:
-        out, err = proc.communicate(timeout=180)
+        (work / "snippet.py").write_text(snippet)
+        (work / "cpattn").symlink_to(ROOT, target_is_directory=True)   # a checkout named cpattn, next to it
+        proc = subprocess.Popen([sys.executable, "snippet.py"], cwd=work, env=user_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = background_fixtures.communicate(proc, 180, background.aborted)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            return {"snippet": snippet, "returncode": None, "out": out, "err": err}
+        finally:
+            kill_session(proc.pid)
+        return {"snippet": snippet, "returncode": proc.returncode, "out": out, "err": err}
     finally:
-        kill_session(proc.pid)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+background_fixtures.register(__file__, _run_client_snippet, time_bounds=False)
+
+
+def test_client_snippet_runs_as_printed_from_the_parent_of_a_cpattn_checkout():
+    ran = background_fixtures.result(__file__)
+    assert len(ran["snippet"].strip().splitlines()) == 10   # "The client API in ten lines"
+    err = ran["err"]
+    assert ran["returncode"] is not None, "the snippet did not finish within 180 s:\n" + err[-3000:]
     assert "has no attribute 'ServiceConfig'" not in err, "the cpattn directory shadowed the package:\n" + err
-    assert proc.returncode == 0, err[-3000:]
-    shards = ast.literal_eval(out.strip().splitlines()[-1])   # print(svc.stats()["shards"]): one dict per shard
+    assert ran["returncode"] == 0, err[-3000:]
+    shards = ast.literal_eval(ran["out"].strip().splitlines()[-1])   # print(svc.stats()["shards"]): one dict per shard
     assert len(shards) == 4 and sum(s["tokens"] for s in shards) == 0   # the sequence was freed
 
 
