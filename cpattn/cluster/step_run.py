@@ -70,7 +70,8 @@ class StepRun:
         self.replay: Replay | None = [] if cfg.kv_replicas == 2 else None
         self.recoveries = 0
         self.timings = {"plan_s": 0.0, "begin_s": 0.0, "data_plane_s": 0.0, "sent_bytes": 0, "begin_parts": {}}
-        """Seconds; ``begin_parts``: begin_s by phase (claim, flush, begin, and the host's parts of begin)."""
+        """Seconds; ``begin_parts``: begin_s by phase (claim, flush, begin, and the host's parts of begin); ``end_s``
+        (once ended): the caller's wall time in end() (the device waited for, the commit sent or waited for)."""
 
     # Opening ----------------------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -204,12 +205,15 @@ class StepRun:
             self._abort(raise_errors=False, ending="rolled_back")
             return
         self.state = ENDING
+        t0 = time.perf_counter()
         try:
             self._finish()
         except BaseException:
             if self.state == ENDING:   # an error no ending expected (a rejoin that failed, a CUDA error): the
                 self._abort(raise_errors=False, ending="failed")   # client must not stay claimed by this step
             raise
+        finally:
+            self.timings["end_s"] = self.timings.get("end_s", 0.0) + time.perf_counter() - t0
 
     def _finish(self) -> None:
         cfg = self.host.config
