@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pickle
@@ -64,7 +65,29 @@ def _phase_means(samples: list[dict]) -> dict[str, float]:
 
 
 # The service ---------------------------------------------------------------------------------------------------------
-def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | None = None):
+class GcPauses:
+    """Seconds the garbage collector ran (by generation) while counting: a collection landing in a step's opening
+    costs that step milliseconds a profile by function does not show."""
+
+    def __init__(self):
+        self.counting, self.seconds, self._start = False, {0: 0.0, 1: 0.0, 2: 0.0}, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.counting:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | None = None,
+          pauses: GcPauses | None = None):
     """One whole step as cp_scaling runs it (``profile``: around its opening only); returns (step, wall s)."""
     sync = torch.cuda.synchronize if cp.DEVICE == "cuda" else (lambda: None)
     sync()
@@ -72,9 +95,13 @@ def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | 
     step = svc.step(request)
     if profile is not None:
         profile.enable()
+    if pauses is not None:
+        pauses.counting = True
     try:
         step.__enter__()
     finally:
+        if pauses is not None:
+            pauses.counting = False
         if profile is not None:
             profile.disable()
     try:
@@ -110,8 +137,9 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
         tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         tracer.__enter__()
     walls, begins, ends, parts, starts = [], [], [], [], []
-    for _ in range(steps):
-        step, wall = _step(svc, request, layers, q, k, v, profile)
+    with GcPauses() as pauses:
+        measured = [_step(svc, request, layers, q, k, v, profile, pauses) for _ in range(steps)]
+    for step, wall in measured:
         walls.append(wall)
         begins.append(step.timings["begin_s"])
         ends.append(step.timings.get("end_s", 0.0))
@@ -131,6 +159,8 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "step_ms": 1e3 * statistics.fmean(walls), "step_ms_median": 1e3 * statistics.median(walls),
            # the end of the step (the device waited for, the commit sent): a cost moved out of opening shows here
            "end_ms_per_step": 1e3 * statistics.fmean(ends),
+           # the garbage collector's pauses inside the openings, per step (by generation)
+           "gc_ms_per_open": {str(g): 1e3 * t / steps for g, t in pauses.seconds.items()},
            "phases_ms_per_step": _phase_means(parts), "phases_ms_run_start": _phase_means(firsts),
            "phases_ms_later": _phase_means(later), "cprofile_open": _top(profile, top)}
     if tracer is not None:
@@ -198,7 +228,8 @@ def client_row(case, run_steps: int, runs: int, top: int) -> dict:
     pages, ledger = PageCache(), coordinator.ledger
     profile = cProfile.Profile()
     build, plan, run_start = [], [], []
-    for _ in range(runs):
+    for i in range(runs):
+        profiled = i == runs - 1 and runs > 1   # the last run under cProfile, the others timed without it
         admitted = ledger.admit(client_id, {s: 1 for s in seqs}, run_steps, 1)
         step, plans = ledger.open(admitted, (0,), coordinator.gen)
         held = pages.held(seqs, [0])
@@ -209,15 +240,19 @@ def client_row(case, run_steps: int, runs: int, top: int) -> dict:
         use_block_tables([reply], tables)
         use_block_tables(reply.later, tables)
         runner.plan(reply.local_plans[0], graphs)   # the run's first step (a new table to the device)
-        run_start.append(time.perf_counter() - t0)
+        if not profiled:
+            run_start.append(time.perf_counter() - t0)
         for j in range(len(reply.later)):
-            profile.enable()
+            if profiled:
+                profile.enable()
             t0 = time.perf_counter()
             later = reply.later[j]
             t1 = time.perf_counter()
             runner.plan(later.local_plans[0], graphs)
             t2 = time.perf_counter()
-            profile.disable()
+            if profiled:
+                profile.disable()
+                continue
             build.append(t1 - t0)
             plan.append(t2 - t1)
         step.done = step.num_substeps
@@ -260,7 +295,9 @@ def _fmt_service(r: dict) -> str:
 
     return (f"{r['case']:>20} {r['layers']:>6} {r['run_starts']:>6} {r['begin_ms_per_step']:>10.3f} "
             f"{_ms(r['begin_ms_run_start']):>9} {_ms(r['begin_ms_later']):>7} {r['end_ms_per_step']:>7.3f} "
-            f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}")
+            f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}"
+            f"\n{'':>72}gc in opening, ms/step by generation: "
+            + " ".join(f"{g}: {t:.3f}" for g, t in r["gc_ms_per_open"].items()))
 
 
 def _fmt_client(r: dict) -> str:
@@ -283,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps before measuring at least (then until a run of --run-steps steps has ended)")
     parser.add_argument("--steps", type=int, default=64, help="measured steps (64: two runs of 32)")
     parser.add_argument("--run-steps", type=int, default=32, help="decode_run_steps (the service's default: 32)")
-    parser.add_argument("--client-runs", type=int, default=3, help="decode runs of the client part")
+    parser.add_argument("--client-runs", type=int, default=4,
+                        help="decode runs of the client part (the last one under cProfile, the others timed)")
     parser.add_argument("--kv-budget-gb", type=float, default=96.0)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--torch-profile", action="store_true", help="torch.profiler's top ops too (CPU time)")
@@ -311,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "client": [], "service": []}
     if args.only != "service":
-        print(f"client: ms per later step of a decode run without Ray (medians), run start = tables + first plan")
+        print("client: ms per later step of a decode run without Ray (medians, without cProfile), run start = tables + "
+              "first plan")
         print(CLIENT_HEADER)
         for name in names:
             result["client"].append(client_row(cp.CASES[name], args.run_steps, args.client_runs, args.top))
