@@ -86,6 +86,25 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+def _inside_openings(tracer, steps: int, top: int) -> list[dict]:
+    """torch.profiler's events inside the openings (the "cpattn.open" ranges), by self CPU time per step."""
+    totals: dict[str, list] = {}
+
+    def walk(event) -> None:
+        for child in event.cpu_children:
+            entry = totals.setdefault(child.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += child.self_cpu_time_total
+            walk(child)
+
+    for event in tracer.events():
+        if event.name == "cpattn.open":
+            walk(event)
+    rows = [{"name": name, "calls_per_step": n / steps, "self_cpu_ms_per_step": us / 1e3 / steps}
+            for name, (n, us) in totals.items()]
+    return sorted(rows, key=lambda r: -r["self_cpu_ms_per_step"])[:top]
+
+
 def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | None = None,
           pauses: GcPauses | None = None):
     """One whole step as cp_scaling runs it (``profile``: around its opening only); returns (step, wall s)."""
@@ -98,7 +117,8 @@ def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | 
     if pauses is not None:
         pauses.counting = True
     try:
-        step.__enter__()
+        with torch.profiler.record_function("cpattn.open"):   # a no-op unless a profiler runs (--torch-profile)
+            step.__enter__()
     finally:
         if pauses is not None:
             pauses.counting = False
@@ -133,8 +153,11 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
         warmed += 1
     profile = cProfile.Profile()
     tracer = None
-    if torch_profile:
-        tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if torch_profile:   # on a GPU the CUDA runtime calls too (cudaStreamSynchronize, cudaMemcpyAsync, launches)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cp.DEVICE == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        tracer = torch.profiler.profile(activities=activities)
         tracer.__enter__()
     walls, begins, ends, parts, starts = [], [], [], [], []
     with GcPauses() as pauses:
@@ -164,8 +187,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "phases_ms_per_step": _phase_means(parts), "phases_ms_run_start": _phase_means(firsts),
            "phases_ms_later": _phase_means(later), "cprofile_open": _top(profile, top)}
     if tracer is not None:
-        events = sorted(tracer.key_averages(), key=lambda e: -e.cpu_time_total)[:top]
-        row["torch_profile"] = [{"name": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3} for e in events]
+        row["torch_profile_open"] = _inside_openings(tracer, steps, top)
     return row
 
 
@@ -339,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         cp.CASES.update(cp.SMOKE_CASES)
         args.cases, args.layers, args.warmup, args.steps, args.client_runs = ",".join(SMOKE_CASES), 2, 4, 8, 2
         args.run_steps = 4   # steady runs after two steps: the measured 8 steps are two whole runs
-        args.top = min(args.top, 5)
+        args.top, args.torch_profile = min(args.top, 5), True   # every path
     names = args.cases.split(",")
     gpu = cp.DEVICE == "cuda"
     meta = {"date": date.today().isoformat(), "machine": platform.node(),
@@ -365,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps(result, indent=1))
     _print_tops("client", result["client"], "cprofile_later", args.top)
     _print_tops("service step.open", result["service"], "cprofile_open", args.top)
+    for r in result["service"]:
+        if "torch_profile_open" in r:
+            print(f"\nservice step.open {r['case']}: torch.profiler, self CPU ms per step inside the openings")
+            for t in r["torch_profile_open"]:
+                print(f"  {t['self_cpu_ms_per_step']:9.4f} {t['calls_per_step']:7.1f}/step  {t['name']}")
     print(f"\nwrote {out}")
     return 0
 

@@ -109,6 +109,6 @@ def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
         assert 0 < host <= phases["begin"] * 1.001 + 0.001, r   # the host's parts lie within its begin
         assert "begin_rpc" in r["phases_ms_run_start"] and "begin_rpc" not in r["phases_ms_later"], r
         assert "run_next" in r["phases_ms_later"] and r["cprofile_open"] and r["end_ms_per_step"] > 0, r
-        assert set(r["gc_ms_per_open"]) == {"0", "1", "2"}, r
+        assert set(r["gc_ms_per_open"]) == {"0", "1", "2"} and r["torch_profile_open"], r
     for r in result["client"]:
         assert r["later_step_ms"] > 0 and r["run_start_ms"] > 0 and r["cprofile_later"] and r["backend"] == "TORCH", r
