@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             result["client"].append(client_row(cp.CASES[name], args.run_steps, args.client_runs, args.top))
             out.write_text(json.dumps(result, indent=1))
+            if gpu:
+                torch.cuda.empty_cache()   # its one-layer cache (up to 17 GB at 64 x 32K): the services' KV comes next
     if args.only != "client":
         print(f"\nservice: begin ms per step over {args.steps} steps once decode runs are {args.run_steps} steps long "
               "(1 shard, in the client's process where the GPU allows); run start / later: the steps that asked the "
