@@ -38,7 +38,9 @@ class Step:
         self._thread: int | None = None
         self.timings = self._run.timings
         """Seconds: plan_s (begin_step + the shards' planning), begin_s (the caller's wall time to open the step:
-        the previous commit settled, the plan fetched or taken from the decode run, in-process shards planned),
+        the previous commit settled, the plan fetched or taken from the decode run, in-process shards planned;
+        ``begin_parts``: the same seconds by phase, benchmarks/profile_begin.py), end_s (the caller's time in ending
+        it: the device waited for, the commit sent),
         data_plane_s (host time in attend: wire,
         in-process shards, merge); attention_s (the slowest remote shard's kernel time; its launch time on
         CUDA) is added when the commit is read (at the next call of this client with async_commit)."""

@@ -101,3 +101,29 @@ def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
                 assert layers == 1 or per_gpu <= budget * 2**30, (case, gpus, repeats, per_gpu / 2**30)
     prefill = cs.CASES["prefill_32k"]
     assert cs._blocks_per_shard(prefill, 1, 40) == cs._blocks_per_shard(prefill, 1, 10)   # freed every step
+
+
+def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
+    """benchmarks/profile_begin.py (issue 18: where opening a decode step spends the caller's time) runs as
+    printed: the service's measured steps are whole runs' (a run's first asks the coordinator, the rest do not), their
+    phases add up to begin_s, and the client part times a run's later steps without Ray."""
+    out = tmp_path / "profile_begin.json"
+    proc = subprocess.run([sys.executable, "benchmarks/profile_begin.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cases = {"decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke"}
+    assert {r["case"] for r in result["service"]} == {r["case"] for r in result["client"]} == cases
+    for r in result["service"]:
+        assert r["steps"] == 8 and r["run_starts"] == 2, r   # decode_run_steps 4 (--smoke): two whole runs
+        assert 0 < r["begin_ms_later"] < r["begin_ms_run_start"] and r["begin_ms_per_step"] < r["step_ms"], r
+        phases = r["phases_ms_per_step"]
+        assert math.isclose(phases["claim"] + phases["flush"] + phases["begin"], r["begin_ms_per_step"],
+                            rel_tol=0.05, abs_tol=0.01), r
+        host = sum(v for k, v in phases.items() if k not in ("claim", "flush", "begin"))
+        assert 0 < host <= phases["begin"] * 1.001 + 0.001, r   # the host's parts lie within its begin
+        assert "begin_rpc" in r["phases_ms_run_start"] and "begin_rpc" not in r["phases_ms_later"], r
+        assert "run_next" in r["phases_ms_later"] and r["cprofile_open"] and r["end_ms_per_step"] > 0, r
+        assert set(r["gc_ms_per_open"]) == {"0", "1", "2"} and r["torch_profile_open"], r
+    for r in result["client"]:
+        assert r["later_step_ms"] > 0 and r["run_start_ms"] > 0 and r["cprofile_later"] and r["backend"] == "TORCH", r

@@ -52,6 +52,23 @@ class BegunStep:
     """Seconds begin_step took at the coordinator (0 for a run's later steps: planned with its first)."""
     wire: Any
     """Its gateway.StepWire: what each layer needs (local plans, the rows each remote shard returns)."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of beginning it by phase (StepRun.timings["begin_parts"]; benchmarks/profile_begin.py)."""
+
+
+class Phases(dict):
+    """Seconds by phase of one call: ``mark(name)`` charges the time since the previous mark to ``name``."""
+
+    def __init__(self):
+        super().__init__()
+        self._last = time.perf_counter()
+
+    def mark(self, name: str, result=None):
+        """Returns ``result``, so a phase's call can be marked where it is made."""
+        now = time.perf_counter()
+        self[name] = self.get(name, 0.0) + now - self._last
+        self._last = now
+        return result
 
 
 @dataclass

@@ -28,8 +28,8 @@ from cpattn.attention.ops.merge import merge_rows
 from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.client_device import choose_data_plane, client_device
 from cpattn.cluster.client_group import GroupMembership
-from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit, RunControl,
-                                       RunReaper)
+from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit, Phases,
+                                       RunControl, RunReaper)
 from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import use_block_tables
@@ -193,13 +193,14 @@ class Gateway(RunControl, GroupMembership):
         """Plan a step (or take the next step of this client's decode run); None when the service moved to a
         new epoch (rejoin, then begin again)."""
         cfg = self.config
+        phases = Phases()   # begin's time by phase (StepRun.timings["begin_parts"])
         with self._run_lock:
             run = self.run
             if run is not None and run.continues(request):
-                step = run.next_step()
-                if self._announce(run, step.step_id):
-                    return self._open(step, run.num_tokens, list(request), plan_s=0.0)
-            self.end_run()
+                step = phases.mark("run_next", run.next_step())   # a later step's plans are built when first read
+                if phases.mark("announce", self._announce(run, step.step_id)):
+                    return self._open(step, run.num_tokens, list(request), 0.0, phases)
+            phases.mark("end_run", self.end_run())
         if self.plane_broken:
             self.rejoin()
         held = self.pages.held(list(request), sorted(self.local)) if self.local else None
@@ -207,7 +208,7 @@ class Gateway(RunControl, GroupMembership):
         info = self.call("begin_step", self.group_name, request, self.epoch, sorted(self.local), held, ahead,
                          None if self.plane is None else self.plane.backend,
                          timeout_s=cfg.rpc_timeout_s + cfg.start_timeout_s)
-        if isinstance(info, Rejoin):
+        if phases.mark("begin_rpc", isinstance(info, Rejoin)):
             return None
         # Block tables came as deltas (cluster/page_delta.py), one for a whole run.
         tables = {r: self.pages.apply(r, info.seq_ids, info.local_pages[r]) for r in info.local_plans}
@@ -218,12 +219,15 @@ class Gateway(RunControl, GroupMembership):
             if self._reaper is None:
                 self._reaper = RunReaper(self.end_idle_run, min(RUN_IDLE_S, cfg.collective_timeout_s / 4))
                 self._reaper.start()
-        return self._open(info, info.num_tokens, info.seq_ids, info.plan_s)
+        phases.mark("tables")
+        return self._open(info, info.num_tokens, info.seq_ids, info.plan_s, phases)
 
-    def _open(self, info: StepPlans, num_tokens: int, seq_ids: list[str], plan_s: float) -> BegunStep:
+    def _open(self, info: StepPlans, num_tokens: int, seq_ids: list[str], plan_s: float, phases: Phases
+              ) -> BegunStep:
         """The step's wire: its local shards planned (graph buffers refilled), remote rows on this device."""
         cfg = self.config
-        local = {r: self.local[r].plan(p, self.local_graphs.get(r)) for r, p in info.local_plans.items()}
+        phases.mark("local_plans", local := {r: self.local[r].plan(p, self.local_graphs.get(r))
+                                             for r, p in info.local_plans.items()})
         remote_rows = {r: (None if rows is None else rows.to(self.device))
                        for r, rows in info.remote_rows.items()}
         norms = None
@@ -233,10 +237,12 @@ class Gateway(RunControl, GroupMembership):
                         selection=selection_of(info.remote_kv_rows, remote_rows, self.device),
                         disjoint=rows_disjoint([p.rows for p in info.local_plans.values()]
                                                + list(info.remote_rows.values()), num_tokens))
+        phases.mark("wire")
         if self.client_graphs is not None and self.client_graphs.prepare(wire):
             wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
             wire.norms = None if norms is None else self.client_graphs.norms
-        return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire)
+        phases.mark("client_graphs")
+        return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire, phases)
 
     def attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None = None
                ) -> torch.Tensor:

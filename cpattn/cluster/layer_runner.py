@@ -170,18 +170,22 @@ class ShardLayerRunner:
                           fused is not None)
 
     def _to_device(self, md):
-        """``md.to(device)`` with the block table's device copy kept while the next step brings the same table
-        (a decode run's steps share one; the cascade's shifted tables are kept by PrefixSplitter): a 16 x 16K
-        table is 2 MB per step otherwise."""
+        """What the builder plans from: the block table on the device, its copy kept while the next step brings the
+        same table (a decode run's steps share one; the cascade's shifted tables are kept by PrefixSplitter): a
+        16 x 16K table is 2 MB per step otherwise. The step's small index tensors (query starts, lengths, slots)
+        stay on the CPU: every builder plans from host values and copies what its kernels read itself, without
+        blocking; ``md.to(device)`` made three blocking copies and the builders' ``bool(slots >= 0)`` a read back,
+        each a wait for the device on every step (issue 18)."""
         table = md.block_table_tensor
         key = (id(table), table._version)
         with self._tables_lock:
             entry = self._device_tables.get(key)
-            if entry is None:   # the CPU tensor is kept with its copy, so its id stays unique while the entry lives
-                entry = self._device_tables[key] = (table, table.to(self.device))
+            if entry is None:   # the CPU tensor is kept with its copy (so its id stays unique, and the copy made
+                # without blocking reads it after this returns) while the entry lives
+                entry = self._device_tables[key] = (table, table.to(self.device, non_blocking=True))
                 while len(self._device_tables) > 4:   # a plain or suffix table and a prefix table, and the last run's
                     self._device_tables.pop(next(iter(self._device_tables)))
-        return replace(md, block_table_tensor=entry[1], block_table_cpu=table).to(self.device)
+        return replace(md, block_table_tensor=entry[1], block_table_cpu=table)
 
     def run_layer(self, step: PlannedStep, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor,
                   v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
