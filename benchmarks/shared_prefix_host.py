@@ -43,8 +43,8 @@ def _backend():
         from cpattn.attention.backends.torch_ref import TorchReferenceBackend
 
         class MoveOnly(AttentionMetadataBuilder):
-            def build(self, common_prefix_len, common):
-                return common   # already on the device (ShardLayerRunner.plan moved it)
+            def build(self, common_prefix_len, common):   # the step's indices to the device, as every GPU builder
+                return common.to(torch.device(self.spec.device))   # copies them (ShardLayerRunner moves the table)
 
         class StandIn(TorchReferenceBackend):
             builder_cls = MoveOnly
