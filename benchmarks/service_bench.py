@@ -87,7 +87,8 @@ def bench_service(num_shards: int, cases: list[tuple[int, int]], layers: int, hq
                     samples.append(step.timings)
             for s in seqs:
                 svc.free(s)
-            med = {k: statistics.median(x[k] for x in samples) for k in samples[0]}
+            med = {k: statistics.median(x[k] for x in samples) for k, v in samples[0].items()
+                   if isinstance(v, (int, float))}   # begin_parts: a dict of phases (benchmarks/profile_begin.py)
             per_layer = {k: 1e3 * v / layers for k, v in med.items()}
             wire = max(0.0, per_layer["data_plane_s"] - per_layer["attention_s"])
             total = per_layer["wall_s"]

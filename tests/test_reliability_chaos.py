@@ -70,8 +70,11 @@ class Killer(threading.Thread):
 
 
 def test_random_shard_kills_during_a_workload(ray_session):
+    # Pages for the longest workload the loop allows: up to 400 decode steps of ~5 tokens (2,000 tokens, twice for
+    # the replicas, over 3 shards: ~1,400 slots a shard with partial pages). 128 blocks (512 slots) ran out after
+    # ~130 steps, which a quiet machine reaches while the killer still waits for a replacement (CI, 2026-12-01).
     svc = cpattn.start(service_config(num_shards=3, kv_replicas=2, dtype="float32", block_size=4, dcp_interleave=2,
-                                      num_blocks_per_shard=128, pcp_min_tokens=12, rpc_timeout_s=RPC_S,
+                                      num_blocks_per_shard=512, pcp_min_tokens=12, rpc_timeout_s=RPC_S,
                                       collective_timeout_s=5.0, health_check_interval_s=0.5, start_timeout_s=120.0))
     killer = Killer(svc.gateway.coordinator, svc.operator_credential, seed=1234)
     try:
@@ -111,6 +114,11 @@ def test_random_shard_kills_during_a_workload(ray_session):
         assert svc.sequences() == {s: oracle.length(s) for s in seqs}
         assert all(oracle.length(s) > prompts[s] for s in seqs)
         checked_step(svc, oracle, {s: 1 for s in seqs}, tol=TOL)
+        # No page outlives the kills, replays and runs ended early: freeing every sequence empties every shard.
+        for s in seqs:
+            svc.free(s)
+        left = {sh["rank"]: sh["blocks_used"] for sh in svc.stats()["shards"]}
+        assert not any(left.values()), f"pages still held after every sequence was freed: {left}"
     finally:
         killer.stop.set()
         svc.shutdown()
