@@ -115,8 +115,30 @@ def _blocks_per_shard(case: Case, gpus: int, repeats: int) -> int:
     every step (warm-ups and slack included); a case without one opens fresh sequences each step and frees
     them, so one step's tokens suffice (charging every repeat's prefill made a 32K prefill ask for 1.6M tokens'
     pages and run out of memory)."""
-    grown = case.context + case.new * (repeats + 2 + 8) if case.context else case.new
+    warm, measured = steps_of(case, repeats)
+    # + a run's pages reserved ahead (decode_run_steps) and slack
+    grown = case.context + case.new * (warm + measured + RUN_STEPS + 8) if case.context else case.new
     return -(-case.batch * grown // gpus) // BLOCK + 2 * case.batch + 16
+
+
+RUN_STEPS = 32
+"""ServiceConfig.decode_run_steps' default, which every service here keeps."""
+
+
+def steps_of(case: Case, repeats: int) -> tuple[int, int]:
+    """(warm-up steps, measured steps). Two warm-ups (kernel JIT, NCCL communicators, graph captures); a decode
+    case (a context, one new token a sequence) also warms up through the runs a decode loop grows through
+    (client_run.FIRST_RUN_STEPS doubling up to decode_run_steps: 4 + 8 + 16 steps, the first two warm-ups among
+    them) and measures whole runs of RUN_STEPS, so a run start (one begin_step round trip) is charged once per
+    RUN_STEPS steps, as a long decode loop pays it; before, 40 steps after two warm-ups held three run starts."""
+    if not (case.context and case.new == 1):
+        return 2, repeats
+    from cpattn.cluster.client_run import FIRST_RUN_STEPS
+
+    ramp, run = 0, FIRST_RUN_STEPS
+    while run < RUN_STEPS:
+        ramp, run = ramp + run, run * 2
+    return max(2, ramp), -(-repeats // RUN_STEPS) * RUN_STEPS
 
 
 def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
@@ -274,8 +296,10 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         seqs = [svc.add_sequence() for _ in range(case.batch)]
         for i, s in enumerate(seqs):
             svc.fill_synthetic(s, case.context, seed=i)
-    walls, plans, begins, sent = [], [], [], []
-    for rep in range(repeats + 2):          # two warm-up steps: kernel JIT, NCCL communicators
+    walls, plans, begins, sent, starts = [], [], [], [], 0
+    assert svc.config.decode_run_steps == RUN_STEPS, "steps_of counts runs of RUN_STEPS"
+    warm, measured = steps_of(case, repeats)
+    for rep in range(warm + measured):
         if not case.context:
             seqs = [svc.add_sequence() for _ in range(case.batch)]
         sync()
@@ -286,10 +310,11 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         sync()
         wall = time.perf_counter() - t0
         sent.append(step.timings["sent_bytes"])
-        plans.append(step.timings["plan_s"])   # every step: a decode run's first step carries its steps' plans
-        if rep >= 2:        # a warm-up step's opening compiles and captures: not what a step pays
+        if rep >= warm:   # a warm-up step's opening compiles and captures, a short run's plans more often
+            plans.append(step.timings["plan_s"])   # a decode run's first step carries its steps' plans
             walls.append(wall)
             begins.append(step.timings["begin_s"])
+            starts += "begin_rpc" in step.timings.get("begin_parts", {})   # this step asked the coordinator
         if not case.context:
             for s in seqs:
                 svc.free(s)
@@ -303,6 +328,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
             "step_ms_median": 1e3 * statistics.median(walls), "decode_run_steps": svc.config.decode_run_steps,
+            "warmup_steps": warm, "measured_steps": len(walls), "measured_begin_step_calls": starts,
             "plan_ms_per_step": 1e3 * statistics.fmean(plans),
             # The caller's wall time to open a step (issue 18's "plan on the client's path"): the run's begin_step
             # round trip on its first step, the in-process shards' plans on every step.

@@ -31,6 +31,8 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
+        if r["case"].startswith("decode"):   # steady decode runs: whole runs of 32 steps, one begin_step each
+            assert r["measured_steps"] % 32 == 0 and r["measured_begin_step_calls"] == r["measured_steps"] // 32, r
 
 
 def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
