@@ -70,7 +70,7 @@ def _rows_of(allocator: ShardedKVAllocator, rows: SequenceRows, owner: int) -> l
 
 def _shared_page(allocator: ShardedKVAllocator, shard: int, row: int, index: int) -> bool:
     table = allocator.tables[shard]
-    return index < table.num_blocks[row] and allocator.pools[shard].ref_count(int(table.rows_RW[row, index])) > 1
+    return index < table.num_blocks[row] and allocator.pools[shard].ref_count(table.block_at(row, index)) > 1
 
 
 def _fits(allocator: ShardedKVAllocator, rows: list[SequenceRows], step: list[tuple[int, int, int]]) -> bool:

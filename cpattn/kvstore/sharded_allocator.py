@@ -118,7 +118,7 @@ class ShardedKVAllocator:
         table = self.tables[shard]
         if index >= table.num_blocks[row]:
             return None
-        return index if self.pools[shard].ref_count(int(table.rows_RW[row, index])) > 1 else None
+        return index if self.pools[shard].ref_count(table.block_at(row, index)) > 1 else None
 
     def needed_blocks(self, growths: list[tuple[SequenceRows, int]],
                       old_lengths: list[int] | None = None) -> list[int]:
