@@ -31,10 +31,12 @@ def grow_decode_run(allocator: ShardedKVAllocator, rows: list[SequenceRows], len
     pos_SB = torch.tensor(lengths, dtype=torch.int64)[None, :] + torch.arange(num_steps, dtype=torch.int64)[:, None]
     owner_SB = (pos_SB // inter) % n
     local_SB = (pos_SB // (n * inter)) * inter + pos_SB % inter
+    # Read as Python lists: indexing a tensor element by element cost ~1 us an element (most of a B=64 run's growth).
+    owners, locals_ = owner_SB.tolist(), local_SB.tolist()
     events: list[list[tuple[int, int, int]]] = [[] for _ in range(num_steps)]   # per step: (seq, owner, local pos)
     for j, b in (local_SB[first_step:] % bs == 0).nonzero().tolist():   # a token that opens a page
-        events[first_step + j].append((b, int(owner_SB[first_step + j, b]), int(local_SB[first_step + j, b])))
-    for j, b, owner, local in _first_tokens_mid_page(owner_SB, local_SB, n, bs, first_step):
+        events[first_step + j].append((b, owners[first_step + j][b], locals_[first_step + j][b]))
+    for j, b, owner, local in _first_tokens_mid_page(owner_SB, locals_, n, bs, first_step):
         if any(_shared_page(allocator, shard, row, local // bs) for shard, row in _rows_of(allocator, rows[b], owner)):
             events[j].append((b, owner, local))
     growths = []
@@ -46,15 +48,16 @@ def grow_decode_run(allocator: ShardedKVAllocator, rows: list[SequenceRows], len
     return growths
 
 
-def _first_tokens_mid_page(owner_SB: torch.Tensor, local_SB: torch.Tensor, n: int, bs: int, first_step: int):
+def _first_tokens_mid_page(owner_SB: torch.Tensor, local_SB: list[list[int]], n: int, bs: int, first_step: int):
     """(step, seq, owner, local pos) of each sequence's first token of the run on a rank, from ``first_step`` on
     and inside a page: the only tokens that can write into a shared page (later ones write where it wrote)."""
     for r in range(n):
         on_r = owner_SB == r
         first_j = on_r.to(torch.int8).argmax(dim=0)   # the first step whose token lands on r (0 if none)
+        first_of = first_j.tolist()
         for b in ((first_j >= first_step) & on_r.any(dim=0)).nonzero().flatten().tolist():
-            j = int(first_j[b])
-            local = int(local_SB[j, b])
+            j = first_of[b]
+            local = local_SB[j][b]
             if local % bs:
                 yield j, b, r, local
 
