@@ -62,5 +62,8 @@ def _rebuild(cls, state: dict):
 class TensorsAsArrays:
     """Mixin for a dataclass crossing processes: its CPU tensors pickle as numpy arrays (module docstring)."""
 
+    _not_pickled: tuple[str, ...] = ()
+    """Attributes left out of the message (caches the receiver builds again when it needs them)."""
+
     def __reduce__(self):
-        return _rebuild, (type(self), {k: _pack(v) for k, v in self.__dict__.items()})
+        return _rebuild, (type(self), {k: _pack(v) for k, v in self.__dict__.items() if k not in self._not_pickled})

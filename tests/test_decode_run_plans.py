@@ -94,3 +94,51 @@ def test_run_plans_refuse_a_token_without_its_page():
     alloc.grow([(rows[0], 8)], [0])
     with pytest.raises(Exception, match="allocate its pages first|has no block"):
         plan_decode_run(alloc, rows, [8], [1, 2], table_gatherer(alloc, rows, {}), 0, None, None, None, True, 8)
+
+
+@pytest.mark.parametrize("seed", range(100, 124))
+def test_run_plans_equal_step_by_step_plans_fresh_seeds(seed):
+    """More random runs (odd shard counts, interleave 1 and 16, replicas, windows) for the per-step rows built
+    once per run (RankRun._step_rows)."""
+    rng = random.Random(seed)
+    n = rng.choice([1, 3, 5, 2])
+    _check_run(n, 16, rng.choice([1, 16]), 2 if n >= 2 and rng.random() < 0.5 else 1,
+               [rng.choice([0, 1, rng.randint(2, 700)]) for _ in range(rng.randint(1, 6))], rng.randint(1, 12),
+               rng.choice([None, 3, 40]))
+
+
+def test_run_plan_steps_own_their_tensors_and_the_cache_stays_home():
+    """Each step's tensors are its own memory (as a clone per step gave): writing one step's leaves the others
+    and the run as they were; the rows built for the plans do not travel (same bytes built or not)."""
+    alloc = ShardedKVAllocator(2, 100, 4, 1, 4, replicas=2)
+    rows = [alloc.add_rows() for _ in range(3)]
+    alloc.grow([(r, n_ + 5) for r, n_ in zip(rows, [9, 0, 30])], [0] * 3)
+    got = plan_decode_run(alloc, rows, [9, 0, 30], list(range(5)), table_gatherer(alloc, rows, {}), 0, "s", None,
+                          None, True, 8)
+    run = got.ranks[1]
+    before = pickle.dumps(run)
+    first, second = run.plan(1), run.plan(2)
+    arrived = vars(pickle.loads(pickle.dumps(run)))
+    assert len(pickle.dumps(run)) == len(before) and "_steps" not in arrived and "_computes_all" not in arrived
+    want = run.seq_lens.clone()
+    md = first.metadata
+    for t in (md.seq_lens, md.query_start_loc, md.slot_mapping, md.query_positions_cpu, md.context_lens_cpu,
+              first.replica_slot_mapping):
+        t.fill_(-7)
+    assert torch.equal(run.seq_lens, want) and torch.equal(md.seq_lens_cpu, want[1])
+    assert torch.equal(second.metadata.seq_lens, want[2]) and torch.equal(second.metadata.query_start_loc,
+                                                                          torch.arange(4))
+    _same(run.plan(3), pickle.loads(pickle.dumps(run)).plan(3), "built here and built where it arrives")
+
+
+def test_a_step_built_alone_equals_it_built_with_the_run():
+    """The coordinator builds a run's first and last step alone (plan(j, whole_run=False)); the receivers all."""
+    alloc = ShardedKVAllocator(3, 100, 4, 2, 4)
+    rows = [alloc.add_rows() for _ in range(2)]
+    alloc.grow([(r, n_ + 7) for r, n_ in zip(rows, [0, 21])], [0] * 2)
+    got = plan_decode_run(alloc, rows, [0, 21], list(range(7)), table_gatherer(alloc, rows, {}), 0, "s", 3, None,
+                          True, 8)
+    for run in got.ranks:
+        for j in range(7):
+            _same(run.plan(j, whole_run=False), run.plan(j), f"rank {run.rank} step {j}")
+    assert "_steps" in vars(got.ranks[0]) and any(p.rows is not None for run in got.ranks for p in [run.plan(0)])

@@ -49,31 +49,80 @@ class RankRun(TensorsAsArrays):
     incarnation: int
     auth: str | None
 
-    def plan(self, j: int) -> ShardStepPlan:
+    _not_pickled = ("_steps", "_computes_all")
+
+    def plan(self, j: int, whole_run: bool = True) -> ShardStepPlan:
+        """``whole_run``: every step's tensors are built at once and kept (where the run's steps are all built);
+        else step j's alone (the coordinator builds only a run's first and last step)."""
         num_seqs = self.positions.shape[1]
-        qsl = torch.arange(num_seqs + 1, dtype=torch.int64)
-        seq_lens = self.seq_lens[j]
+        steps, k = (self._step_rows(), j) if whole_run else (_StepRows.of(self, j), 0)
+        qsl = steps.qsl[k]
         md = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens.clone(),
-            seq_lens_cpu=seq_lens.clone(), context_lens_cpu=self.local_ctx[j].clone(), block_table_tensor=self.table,
-            slot_mapping=self.slots[j].clone(), num_reqs=num_seqs, num_actual_tokens=num_seqs, max_query_len=1,
-            max_seq_len=int(seq_lens.max()) if num_seqs else 0, causal=False,
-            query_positions_cpu=self.positions[j].clone(), dcp_world_size=self.world_size, dcp_rank=self.rank,
+            query_start_loc=qsl, query_start_loc_cpu=steps.qsl_cpu[k], seq_lens=steps.seq_lens[k],
+            seq_lens_cpu=steps.seq_lens_cpu[k], context_lens_cpu=steps.local_ctx[k], block_table_tensor=self.table,
+            slot_mapping=steps.slots[k], num_reqs=num_seqs, num_actual_tokens=num_seqs, max_query_len=1,
+            max_seq_len=steps.max_seq_len[k], causal=False,
+            query_positions_cpu=steps.positions[k], dcp_world_size=self.world_size, dcp_rank=self.rank,
             dcp_interleave=self.interleave)
         return ShardStepPlan(
             step_id=self.step_ids[j], num_tokens=num_seqs, metadata=md, causal_pieces=self.pieces,
-            replica_slot_mapping=None if self.replica_slots is None else self.replica_slots[j].clone(),
-            page_copies=self.first_copies if j == 0 else None, rows=self.rows(j), incarnation=self.incarnation,
-            auth=self.auth)
+            replica_slot_mapping=None if self.replica_slots is None else steps.replica_slots[k],
+            page_copies=self.first_copies if j == 0 else None, rows=self.rows(j, whole_run),
+            incarnation=self.incarnation, auth=self.auth)
 
-    def rows(self, j: int) -> torch.Tensor | None:
+    def rows(self, j: int, whole_run: bool = True) -> torch.Tensor | None:
         """Step j's ShardStepPlan.rows: the rows this rank computes, None for all."""
-        computes = self.computes[j]
-        return None if bool(computes.all()) else computes.nonzero().flatten()
+        if whole_run:   # which steps compute every row, found once (not pickled)
+            computes_all = self.__dict__.get("_computes_all")
+            if computes_all is None:
+                computes_all = self._computes_all = self.computes.all(dim=1).tolist()
+            every_row = computes_all[j]
+        else:
+            every_row = bool(self.computes[j].all())
+        return None if every_row else self.computes[j].nonzero().flatten()
+
+    def _step_rows(self) -> "_StepRows":
+        """Every step's tensors at once, built where the plans are (not pickled): indexing and cloning a row of
+        each [S, B] tensor per step was ~2/3 of building a plan. Each step still gets its own tensors (rows of
+        one fresh copy per field, a separate copy where a plan holds two), as one clone per step gave it."""
+        steps = self.__dict__.get("_steps")
+        if steps is None:
+            steps = self._steps = _StepRows.of(self)
+        return steps
 
     def for_client(self) -> "RankRun":
         """step_planner.for_client of every step: no shard secret, no block table (the client gets deltas)."""
         return replace(self, auth=None, table=torch.empty(self.positions.shape[1], 0, dtype=torch.int64))
+
+
+@dataclass
+class _StepRows:
+    """RankRun's per-step tensors, rows of one copy per field (each step's row its own memory)."""
+
+    qsl: tuple
+    qsl_cpu: tuple
+    seq_lens: tuple
+    seq_lens_cpu: tuple
+    local_ctx: tuple
+    slots: tuple
+    positions: tuple
+    replica_slots: tuple | None
+    max_seq_len: list[int]
+
+    @classmethod
+    def of(cls, run: RankRun, only: int | None = None) -> "_StepRows":
+        """Every step's rows, or (``only``) that step's alone, as entry 0."""
+        steps = slice(None) if only is None else slice(only, only + 1)
+
+        def rows(t: torch.Tensor) -> tuple:
+            return t[steps].clone().unbind(0)
+        seq_lens = run.seq_lens[steps]
+        num_steps, num_seqs = seq_lens.shape
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int64).expand(num_steps, num_seqs + 1)
+        return cls(qsl=qsl.clone().unbind(0), qsl_cpu=qsl.clone().unbind(0), seq_lens=rows(run.seq_lens),
+                   seq_lens_cpu=rows(run.seq_lens), local_ctx=rows(run.local_ctx), slots=rows(run.slots), positions=rows(run.positions),
+                   replica_slots=None if run.replica_slots is None else rows(run.replica_slots),
+                   max_seq_len=seq_lens.amax(dim=1).tolist() if num_seqs else [0] * num_steps)
 
 
 class RunPlans(Sequence):
@@ -90,7 +139,7 @@ class RunPlans(Sequence):
     def __getitem__(self, j: int) -> list[ShardStepPlan]:
         j = _index(j, len(self))
         if j not in self._built:
-            self._built[j] = [r.plan(j) for r in self.ranks]
+            self._built[j] = [r.plan(j, whole_run=False) for r in self.ranks]
         return self._built[j]
 
 
