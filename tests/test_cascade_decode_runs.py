@@ -72,6 +72,20 @@ def _forked_run(num_shards, interleave, lengths, steps, replicas=1, block=BLOCK)
     return plan_decode_run(alloc, rows, lengths, list(range(steps)), gather, 0, None, None, first, False, 8)
 
 
+def assert_rows_match_float64(plan, cache, q, out, lse, block=BLOCK):
+    """Each row a step's plan computes (its decode query, after its KV was written) equals float64 attention over
+    every key its block table holds, read page by page from ``cache`` [2, pages, block, Hk, D]."""
+    md = plan.metadata
+    rows = list(range(plan.num_tokens)) if plan.rows is None else plan.rows.tolist()
+    for i, r in enumerate(rows):
+        n = int(md.seq_lens_cpu[r])
+        pages = md.block_table_tensor[r, torch.arange(n) // block]
+        keys, values = cache[0, pages, torch.arange(n) % block], cache[1, pages, torch.arange(n) % block]
+        ref_out, ref_lse = attention_with_visibility(q[r:r + 1], keys, values, torch.ones(1, n, dtype=torch.bool))
+        torch.testing.assert_close(out[i:i + 1], ref_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse[i:i + 1], ref_lse, atol=1e-12, rtol=1e-12)
+
+
 def _same_metadata(a, b):
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
@@ -121,15 +135,7 @@ def test_a_shard_attending_a_run_of_forks_is_exact(num_shards, interleave, repli
             q, k, v = (torch.randn(t, h, cfg.head_size, generator=g, dtype=torch.float64)
                        for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads))
             out, lse = runner.run_layer(planned, 0, q, k, v)
-            md = plan.metadata
-            rows = list(range(t)) if plan.rows is None else plan.rows.tolist()
-            for i, r in enumerate(rows):
-                n = int(md.seq_lens_cpu[r])
-                pages = md.block_table_tensor[r, torch.arange(n) // BLOCK]
-                keys, values = cache[0, pages, torch.arange(n) % BLOCK], cache[1, pages, torch.arange(n) % BLOCK]
-                ref_out, ref_lse = attention_with_visibility(q[r:r + 1], keys, values, torch.ones(1, n, dtype=torch.bool))
-                torch.testing.assert_close(out[i:i + 1], ref_out, atol=1e-12, rtol=1e-12)
-                torch.testing.assert_close(lse[i:i + 1], ref_lse, atol=1e-12, rtol=1e-12)
+            assert_rows_match_float64(plan, cache, q, out, lse)
         assert split_steps == steps   # every step read the forks' prefix once
 
 

@@ -20,8 +20,7 @@ from cpattn.cluster.layer_runner import ShardLayerRunner
 from cpattn.cluster.step_planner import table_gatherer
 from cpattn.kvstore.run_growth import grow_decode_run
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
-from tests.reference import attention_with_visibility
-from tests.test_cascade_decode_runs import _same_metadata
+from tests.test_cascade_decode_runs import _same_metadata, assert_rows_match_float64
 
 BLOCK = 4
 
@@ -42,18 +41,6 @@ def _runs(num_shards, interleave, lengths, steps, num_runs, block=BLOCK, num_blo
                                     table_gatherer(alloc, rows, {}), 0, None, None, first, False, 8))
         lengths = [n + steps for n in lengths]
     return runs
-
-
-def _check_exact(cfg, cache, plan, q, k, v, out, lse):
-    md = plan.metadata
-    rows = list(range(plan.num_tokens)) if plan.rows is None else plan.rows.tolist()
-    for i, r in enumerate(rows):
-        n = int(md.seq_lens_cpu[r])
-        pages = md.block_table_tensor[r, torch.arange(n) // BLOCK]
-        keys, values = cache[0, pages, torch.arange(n) % BLOCK], cache[1, pages, torch.arange(n) % BLOCK]
-        ref_out, ref_lse = attention_with_visibility(q[r:r + 1], keys, values, torch.ones(1, n, dtype=torch.bool))
-        torch.testing.assert_close(out[i:i + 1], ref_out, atol=1e-12, rtol=1e-12)
-        torch.testing.assert_close(lse[i:i + 1], ref_lse, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("num_shards,interleave,lengths", [(3, 1, [45, 45, 45, 45]), (2, 4, [45, 45, 45, 30, 13, 45]),
@@ -90,7 +77,7 @@ def test_runs_of_forks_plan_their_prefix_pass_once_per_prefix_and_stay_exact(num
                 q, k, v = (torch.randn(t, h, cfg.head_size, generator=g, dtype=torch.float64)
                            for h in (cfg.num_q_heads, cfg.num_kv_heads, cfg.num_kv_heads))
                 out, lse = runner.run_layer(planned, 0, q, k, v)
-                _check_exact(cfg, cache, plan, q, k, v, out, lse)
+                assert_rows_match_float64(plan, cache, q, out, lse)
         assert len(built) == changes >= 1   # planned once per distinct prefix, not once per step
         assert len(passes) <= changes
 
