@@ -151,6 +151,11 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
             raise RuntimeError(f"{case.name}: decode runs never reached {full} steps (run_length {gw.run_length})")
         _step(svc, request, layers, q, k, v)
         warmed += 1
+    # Timed without any profiler (cProfile and torch.profiler tripled the phases of session 9's first run), then
+    # as many steps again under the profilers, for their tops only.
+    walls, begins, ends, parts, starts = [], [], [], [], []
+    with GcPauses() as pauses:
+        measured = [_step(svc, request, layers, q, k, v, None, pauses) for _ in range(steps)]
     profile = cProfile.Profile()
     tracer = None
     if torch_profile:   # on a GPU the CUDA runtime calls too (cudaStreamSynchronize, cudaMemcpyAsync, launches)
@@ -159,9 +164,8 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         tracer = torch.profiler.profile(activities=activities)
         tracer.__enter__()
-    walls, begins, ends, parts, starts = [], [], [], [], []
-    with GcPauses() as pauses:
-        measured = [_step(svc, request, layers, q, k, v, profile, pauses) for _ in range(steps)]
+    for _ in range(steps):
+        _step(svc, request, layers, q, k, v, profile)
     for step, wall in measured:
         walls.append(wall)
         begins.append(step.timings["begin_s"])
@@ -200,7 +204,8 @@ def service_rows(args, case_names: list[str]):
     ensure_ray(None, "cpattn", num_cpus_hint=1 if gpu else 0.25)
     cases = [cp.CASES[c] for c in case_names]
     # --smoke: one service per KV format and window, as cp_scaling --smoke (a start is most of its time)
-    planned = cp.plan_services(1, cases, args.layers, args.warmup + args.steps + 4 * args.run_steps, args.kv_budget_gb,
+    planned = cp.plan_services(1, cases, args.layers, args.warmup + 2 * args.steps + 4 * args.run_steps,
+                               args.kv_budget_gb,
                                one_service=args.smoke)
     for p in planned:
         svc = cpattn.start(ServiceConfig(**{**p.config.model_dump(), "decode_run_steps": args.run_steps}))

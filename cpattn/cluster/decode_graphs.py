@@ -46,6 +46,9 @@ class DecodeGraphs:
         self.prefix_source: PrefixPass | None = None
         """The PrefixPass whose plan and rows the buffers hold (refilled only when a step brings another)."""
         self.disabled = False
+        self.table_source: tuple[int, int] | None = None
+        """(id, version) of the host block table whose device copy the buffers hold (prepare_from_host)."""
+        self._table_held: torch.Tensor | None = None
 
     @staticmethod
     def supported(runner) -> bool:
@@ -73,18 +76,42 @@ class DecodeGraphs:
                 return False
         builder = self.runner.builder
         builder.refill(self.static, attn_metadata)
-        if replica_slots is not None:
-            self.replica.copy_(replica_slots)
-        if self.written is not None:   # once per step, not in every layer's graph
-            slots = attn_metadata.slot_mapping if replica_slots is None else torch.cat([attn_metadata.slot_mapping,
-                                                                                         replica_slots])
-            for buffer, value in zip(self.written, written_pages(slots, self.runner.config.block_size)):
-                buffer.copy_(value)
+        self.table_source = None   # the buffers' table is this plan's, not a kept host table's
+        self._refill_writes(replica_slots)
         if prefix_pass is not None and prefix_pass is not self.prefix_source:   # a run's steps share one pass
             builder.refill(self.prefix.plan, prefix_pass.plan)
             self.prefix.rows.copy_(prefix_pass.rows)
             self.prefix_source = prefix_pass   # held, so its id is not reused while kept
         return True
+
+    def prepare_from_host(self, common, table: torch.Tensor, replica_slots: torch.Tensor | None) -> bool:
+        """``prepare`` for a plain decode step whose bucket is the one captured, without building its plan: its
+        slots, key counts and replica slots copied from the host into the buffers, its block table (``table``,
+        on the device; ``common.block_table_cpu`` its host copy) only when it is not the one they hold (a decode
+        run's steps share one). False (nothing changed) when the step needs build() and ``prepare``."""
+        builder = self.runner.builder
+        if self.disabled or self.key is None or self.prefix is not None or not hasattr(builder, "host_graph_key"):
+            return False
+        key = builder.host_graph_key(common)
+        if key is None or key + (replica_slots is not None, None) != self.key:
+            return False
+        source = common.block_table_cpu
+        same = self.table_source is not None and self.table_source == (id(source), source._version)
+        builder.refill_from_host(self.static, common, None if same else table)
+        self.table_source, self._table_held = (id(source), source._version), source   # held: its id stays unique
+        self._refill_writes(None if replica_slots is None else replica_slots.to(self.runner.device, non_blocking=True))
+        return True
+
+    def _refill_writes(self, replica_slots: torch.Tensor | None) -> None:
+        """The step's replica slots (on the device) and, for dynamic fp8 scales, the pages its slots write, into
+        the buffers (once per step, not in every layer's graph)."""
+        if replica_slots is not None:
+            self.replica.copy_(replica_slots)
+        if self.written is not None:
+            own = self.static.slot_mapping
+            slots = own if replica_slots is None else torch.cat([own, replica_slots])
+            for buffer, value in zip(self.written, written_pages(slots, self.runner.config.block_size)):
+                buffer.copy_(value)
 
     def bucket(self, attn_metadata, replica_slots: torch.Tensor | None, prefix_pass: tuple | None) -> tuple | None:
         """The graphs' key of a step: the backend's (T, S, width bucket), replica writes, and the prefix pass's

@@ -121,6 +121,11 @@ class ShardLayerRunner:
             md.block_table_tensor = expand_block_table(md.block_table_tensor, self.config.block_size,
                                                        self.kernel_block_size)
         split = self._splitter.split(md) if self.split_prefixes else None
+        if (split is None and graphs is not None and plan.rows is None and not plan.causal_pieces.numel()
+                and self._prepared_from_host(md, plan, graphs)):
+            copies = None if plan.page_copies is None else plan.page_copies.to(self.device)
+            return PlannedStep(plan, graphs.static, None, plan.causal_pieces, None, copies=copies, graphs=graphs,
+                               runner=self)
         prefix_pass = None
         if split is not None:
             md = split.suffix
@@ -147,6 +152,14 @@ class ShardLayerRunner:
             replica = new_only.replica_slots
         return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
                            self, new_only)
+
+    def _prepared_from_host(self, md, plan: ShardStepPlan, graphs: DecodeGraphs) -> bool:
+        """A decode step in the bucket ``graphs`` captured (a decode run's later steps): its buffers filled from the
+        host values, no plan built (DecodeGraphs.prepare_from_host); False: plan it as any step."""
+        if graphs.key is None:
+            return False
+        on_device = self._to_device(md)
+        return graphs.prepare_from_host(on_device, on_device.block_table_tensor, plan.replica_slot_mapping)
 
     def _plan_prefix(self, split) -> PrefixPass:
         """The prefix pass of a split step: the backend's plan, and where its impl can merge into the suffix pass's

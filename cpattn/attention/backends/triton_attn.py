@@ -148,6 +148,31 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             splits = (splits,) + tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
         return md.num_tokens, splits, width
 
+    def host_graph_key(self, common: CommonAttentionMetadata) -> tuple | None:
+        """graph_key of build(common) for a plain decode-only step (one query per request, no window), from host
+        values alone; None for any other step (it is built, then keyed). A decode run's later steps replay
+        graphs already captured: refill_from_host then fills their buffers with two copies instead of build()'s
+        ~15 device copies and fills per step (DecodeGraphs.prepare_from_host)."""
+        from cpattn.attention.backends.triton_decode import decode_num_splits
+
+        t = common.num_actual_tokens
+        if (t == 0 or common.max_query_len != 1 or common.num_reqs != t
+                or any(w is not None for w in self.spec.sliding_windows)):
+            return None
+        max_kv = int(common.seq_lens_cpu.max())
+        splits = decode_num_splits(t, self.spec.num_kv_heads, max_kv, torch.device(self.spec.device)) if max_kv else 1
+        return t, splits, max(64, 1 << (common.block_table_tensor.shape[1] - 1).bit_length())
+
+    @staticmethod
+    def refill_from_host(static: TritonAttentionMetadata, common: CommonAttentionMetadata,
+                         table: torch.Tensor | None) -> None:
+        """refill(static, build(common)) for a step host_graph_key keyed, from the host values: its slots and key
+        counts copied in, and ``table`` (the block table on the device) unless None (the buffers hold it already)."""
+        static.slot_mapping.copy_(common.slots_on_host(), non_blocking=True)
+        static.dec_kv_len.copy_(common.seq_lens_cpu.to(torch.int32), non_blocking=True)
+        if table is not None:
+            static.block_table[:, :table.shape[1]].copy_(table)
+
     def make_static(self, md: TritonAttentionMetadata, key: tuple) -> TritonAttentionMetadata:
         """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
         t, _, width = key

@@ -124,10 +124,20 @@ def _paged_decode_kernel(
     tl.store(lse_ptr + s * stride_ls + row * stride_lt + heads, lse, mask=g_mask)
 
 
+_SMS: dict[torch.device, int] = {}
+
+
 def _num_sms(device: torch.device) -> int:
-    if torch.device(device).type != "cuda":
-        return 132          # TRITON_INTERPRET runs on the CPU: plan as for an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """SMs of ``device``, asked of CUDA once per device (get_device_properties cost ~30 us per step's plan)."""
+    device = torch.device(device)
+    sms = _SMS.get(device)
+    if sms is None:
+        if device.type != "cuda":
+            sms = 132          # TRITON_INTERPRET runs on the CPU: plan as for an H200
+        else:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _SMS[device] = sms
+    return sms
 
 
 # Launch configuration of the decode kernel: programs per SM to aim for when splitting KV, tile
