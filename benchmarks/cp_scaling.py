@@ -78,8 +78,9 @@ SMOKE_CASES = {
 
 
 def use_smoke_shapes() -> None:
-    global HQ, HK, D, BLOCK, KV_BYTES_PER_TOKEN_LAYER, DEVICE, DTYPE
+    global HQ, HK, D, BLOCK, KV_BYTES_PER_TOKEN_LAYER, DEVICE, DTYPE, RUN_STEPS
     HQ, HK, D, BLOCK, DEVICE, DTYPE = 4, 2, 16, 16, "cpu", torch.float32
+    RUN_STEPS = 8   # runs of 4 and 8 steps: every path of a decode run in a few steps
     KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 4
 
 
@@ -121,14 +122,16 @@ def _blocks_per_shard(case: Case, gpus: int, repeats: int) -> int:
     return -(-case.batch * grown // gpus) // BLOCK + 2 * case.batch + 16
 
 
-RUN_STEPS = 32
-"""ServiceConfig.decode_run_steps' default, which every service here keeps."""
+from cpattn.config import ServiceConfig  # noqa: E402  (pydantic only)
+
+RUN_STEPS = ServiceConfig.model_fields["decode_run_steps"].default
+"""ServiceConfig.decode_run_steps of every service here: the default (8 under --smoke)."""
 
 
 def steps_of(case: Case, repeats: int) -> tuple[int, int]:
     """(warm-up steps, measured steps). Two warm-ups (kernel JIT, NCCL communicators, graph captures); a decode
     case (a context, one new token a sequence) also warms up through the runs a decode loop grows through
-    (client_run.FIRST_RUN_STEPS doubling up to decode_run_steps: 4 + 8 + 16 steps, the first two warm-ups among
+    (client_run.FIRST_RUN_STEPS doubling up to decode_run_steps: 4 + 8 + ... steps, the first two warm-ups among
     them) and measures whole runs of RUN_STEPS, so a run start (one begin_step round trip) is charged once per
     RUN_STEPS steps, as a long decode loop pays it; before, 40 steps after two warm-ups held three run starts."""
     if not (case.context and case.new == 1):
@@ -243,7 +246,8 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
                                    # one step of the case, whatever its size (the default caps steps at 16K)
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
                                    kv_cache_dtype=group[0].kv, sliding_window=group[0].window,
-                                   prefill_wire=prefill_wire, pcp_wire_flops_per_byte=wire_flops)
+                                   prefill_wire=prefill_wire, pcp_wire_flops_per_byte=wire_flops,
+                                   decode_run_steps=RUN_STEPS)
         planned.append(Planned(gpus, group, layers, backends, cfg))
     return planned
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from cpattn.config import ServiceConfig
+
 
 @dataclass(frozen=True)
 class Case:
@@ -134,7 +136,8 @@ def _fmt(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"any of {', '.join(CASES)}")
-    parser.add_argument("--run-steps", type=int, default=32, help="steps of a decode run (decode_run_steps)")
+    parser.add_argument("--run-steps", type=int, default=ServiceConfig.model_fields["decode_run_steps"].default,
+                        help="steps of a decode run (decode_run_steps; default: the service's)")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "plan_cost.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repeats: every path in seconds")

@@ -5,8 +5,8 @@ Two parts, both printed and written to ``--json``:
 
 - service: the cases through the real service (``cpattn.start``, ``svc.step``), as cp_scaling measures them,
   after warm-up steps that bring decode runs to their steady length (runs start at FIRST_RUN_STEPS steps and
-  double up to decode_run_steps: cp_scaling's 40 measured steps after 2 warm-ups hold runs of 8, 16 and 32, three
-  begin_step round trips where a long decode loop pays 40 / 32). Per case: begin_s per step (mean over every measured step, as a decode loop pays
+  double up to decode_run_steps: measured steps after only a few warm-ups would hold run starts a long decode loop
+  does not pay). Per case: begin_s per step (mean over every measured step, as a decode loop pays
   it), split into the steps that start a run (begin_step's round trip) and the run's later steps, each by phase
   (StepRun.timings["begin_parts"]: claim, flush, run_next, announce, end_run, begin_rpc, tables, local_plans,
   wire, client_graphs); the whole step's wall time too (a cost moved from opening to attending shows there);
@@ -345,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4,
                         help="steps before measuring at least (then until a run of --run-steps steps has ended)")
-    parser.add_argument("--steps", type=int, default=64, help="measured steps (64: two runs of 32)")
-    parser.add_argument("--run-steps", type=int, default=32, help="decode_run_steps (the service's default: 32)")
+    parser.add_argument("--steps", type=int, help="measured steps (default: two runs of --run-steps)")
+    parser.add_argument("--run-steps", type=int, default=cp.RUN_STEPS,
+                        help=f"decode_run_steps (the service's default: {cp.RUN_STEPS})")
     parser.add_argument("--client-runs", type=int, default=4,
                         help="decode runs of the client part (the last one under cProfile, the others timed)")
     parser.add_argument("--kv-budget-gb", type=float, default=96.0)
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cases, args.layers, args.warmup, args.steps, args.client_runs = ",".join(SMOKE_CASES), 2, 4, 8, 2
         args.run_steps = 4   # steady runs after two steps: the measured 8 steps are two whole runs
         args.top, args.torch_profile = min(args.top, 5), True   # every path
+    args.steps = args.steps or 2 * args.run_steps
     names = args.cases.split(",")
     gpu = cp.DEVICE == "cuda"
     meta = {"date": date.today().isoformat(), "machine": platform.node(),

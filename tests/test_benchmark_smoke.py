@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cpattn
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,8 +33,9 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
-        if r["case"].startswith("decode"):   # steady decode runs: whole runs of 32 steps, one begin_step each
-            assert r["measured_steps"] % 32 == 0 and r["measured_begin_step_calls"] == r["measured_steps"] // 32, r
+        if r["case"].startswith("decode"):   # steady decode runs: whole runs of the service's, one begin_step each
+            n = r["decode_run_steps"]
+            assert n == 8 and r["measured_steps"] % n == 0 and r["measured_begin_step_calls"] == r["measured_steps"] // n, r
 
 
 def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
@@ -48,7 +51,7 @@ def test_plan_cost_smoke_measures_every_part(tmp_path):
     """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
     rows = {r["case"]: r for r in _smoke_rows(tmp_path, "plan_cost.py", timeout_s=300)}
     assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke"}
-    assert rows["decode_smoke"]["steps_per_begin"] == 32 and rows["prefill_smoke"]["steps_per_begin"] == 1
+    assert rows["decode_smoke"]["steps_per_begin"] == cpattn.ServiceConfig.model_fields["decode_run_steps"].default and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
 

@@ -23,9 +23,9 @@ from cpattn.config import ServiceConfig
 from cpattn.errors import InvalidRequestError
 from cpattn.kvstore.sharded_allocator import Growth, ShardedKVAllocator
 
-MAX_RUN_STEPS = 64
-"""A run longer than this saves nothing more (its plan is already < 1/64 of the steps' time) and holds pages
-and a shard thread longer."""
+MAX_RUN_STEPS = 256
+"""A run longer than this saves nothing more (its start is already ~0.05 ms of each step's time on an H200 host) and
+holds more pages ahead."""
 
 
 def run_length(request: dict[str, int], ahead, free_threads: int, other_clients: int) -> int:
