@@ -8,8 +8,8 @@ Two parts, both printed and written to ``--json``:
   double up to decode_run_steps: measured steps after only a few warm-ups would hold run starts a long decode loop
   does not pay). Per case: begin_s per step (mean over every measured step, as a decode loop pays
   it), split into the steps that start a run (begin_step's round trip) and the run's later steps, each by phase
-  (StepRun.timings["begin_parts"]: claim, flush, run_next, announce, end_run, begin_rpc, tables, local_plans,
-  wire, client_graphs); the whole step's wall time too (a cost moved from opening to attending shows there);
+  (StepRun.timings["begin_parts"]: claim, flush, steady (a steady run's step: its rows into the graphs), run_next,
+  announce, end_run, begin_rpc, tables, local_plans, wire, steady_rows (a run's rows to the device), client_graphs); the whole step's wall time too (a cost moved from opening to attending shows there);
   and a cProfile top-N of ``step.open`` over the measured steps (``--torch-profile``: torch.profiler's too).
 - client: the client's work for a decode run's later steps without Ray (plan_cost's coordinator state owners,
   its begin_step reply pickled as Ray carries it): per step, building the step's plans (decode_run_plans
@@ -44,8 +44,8 @@ import cp_scaling as cp  # noqa: E402  (its cases, shapes and service sizing)
 
 CASES = ("decode_128k", "decode_1m", "decode_b64_32k", "decode_1m_fp8", "decode_1m_w4096")
 SMOKE_CASES = ("decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke")
-PHASES = ("claim", "flush", "end_run", "begin_rpc", "tables", "run_next", "announce", "local_plans", "wire",
-          "client_graphs")
+PHASES = ("claim", "flush", "end_run", "begin_rpc", "tables", "steady", "run_next", "announce", "local_plans", "wire",
+          "steady_rows", "client_graphs")
 
 
 def _top(profile: cProfile.Profile, n: int) -> list[dict]:

@@ -38,9 +38,11 @@ def _runner(shards: int, replicas: int, kv: str) -> ShardLayerRunner:
     return ShardLayerRunner(cfg, TritonAttentionBackend, [cache], DEVICE, scales)
 
 
-def _decode_run(rng: random.Random, shards: int, interleave: int, replicas: int, steps: int):
+def _decode_run(rng: random.Random, shards: int, interleave: int, replicas: int, steps: int, short: bool = True):
+    """A decode run of random sequences (``short``: some without keys on some shards)."""
     alloc = ShardedKVAllocator(shards, BLOCKS, BLOCK, interleave, max_rows=16, replicas=replicas)
-    lengths = [rng.choice([0, 1, rng.randrange(1, 40), rng.randrange(200, 3000)]) for _ in range(rng.randrange(1, 6))]
+    lengths = [rng.choice([0, 1, rng.randrange(1, 40), rng.randrange(200, 3000)]) if short else rng.randrange(64, 3000)
+               for _ in range(rng.randrange(1, 6))]
     rows = [alloc.add_rows() for _ in lengths]
     alloc.finish(alloc.grow([(r, n) for r, n in zip(rows, lengths)], [0] * len(rows)))
     growths = grow_decode_run(alloc, rows, lengths, steps, first_step=0)

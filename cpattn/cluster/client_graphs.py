@@ -137,3 +137,11 @@ class ClientLayerGraphs:
         self.graphs, self.outputs = capture_graphs(device, num_layers, lambda layer: self._layer(layer, wire))
         self.key = key
         logger.info("captured %d client decode graphs for bucket %s", len(self.graphs), key)
+
+
+def use_client_graphs(graphs: ClientLayerGraphs | None, wire, norms: torch.Tensor | None) -> None:
+    """Every layer of the step (its gateway.StepWire) replays the client's graph where ``graphs`` serves it (their
+    own NaN norms then, where the step has ``norms``)."""
+    if graphs is not None and graphs.prepare(wire):
+        wire.graphs, wire.broken = graphs, [graphs.flags]
+        wire.norms = None if norms is None else graphs.norms

@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
+from cpattn.cluster.client_graphs import use_client_graphs
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
 from cpattn.cluster.messages import EndStepReply, StepPlans
 from cpattn.cluster.rpc import call
+from cpattn.cluster.steady_run import SteadyRun
 from cpattn.errors import InvalidRequestError, ServiceError, ShardLostError
 
 if TYPE_CHECKING:
@@ -103,6 +105,8 @@ class DecodeRun:
     """The timings dicts of its committed steps: the shards report once per run (Gateway.committed)."""
     idle_since: float | None = None
     """When its last step ended; None while one of its steps is open (the RunReaper leaves it alone)."""
+    steady: Any = None
+    """cluster/steady_run.SteadyRun once its second step was opened: the later steps it opens without planning."""
 
     @property
     def first_step_id(self) -> int:
@@ -117,9 +121,13 @@ class DecodeRun:
 
     def next_step(self) -> StepPlans:
         step = self.later[self.index - 1] if self.index else self.first
+        self.step_begun()
+        return step
+
+    def step_begun(self) -> None:
+        """The next step was begun (its plans read, or opened by the steady run)."""
         self.index += 1
         self.idle_since = None
-        return step
 
     def step_ended(self) -> None:
         self.idle_since = time.monotonic()
@@ -185,6 +193,25 @@ class RunControl:
                 self.committed(run.timings[-1], report, run.timings[:-1])
             if report.recovered:   # a shard was lost between the run's steps (none of them lost KV)
                 self.rejoin()
+
+    def _next_in_run(self, run: DecodeRun, seq_ids: list[str], phases: Phases) -> BegunStep | None:
+        """The decode run's next step: opened from the run's rows on the device where its SteadyRun serves it, else
+        from its plans (built when first read); None when its remote shards could not be told (the run ended)."""
+        wire = phases.mark("steady", run.steady.open(run.index, self.local_graphs)) if run.steady is not None else None
+        if wire is not None:
+            run.step_begun()
+            if not phases.mark("announce", self._announce(run, wire.step_id)):
+                return None
+            use_client_graphs(self.client_graphs, wire, wire.norms)
+            phases.mark("client_graphs")
+            return BegunStep(wire.step_id, run.num_tokens, seq_ids, 0.0, wire, phases)
+        step = phases.mark("run_next", run.next_step())
+        if not phases.mark("announce", self._announce(run, step.step_id)):
+            return None
+        begun = self._open(step, run.num_tokens, seq_ids, 0.0, phases)
+        if run.index == 2 and run.steady is None:   # its second step: the template of the later ones
+            run.steady = phases.mark("steady_rows", SteadyRun.of(run.later, begun.wire, self.local_graphs))
+        return begun
 
     def _announce(self, run: DecodeRun, step_id: int) -> bool:
         """Tell the run's remote shards its next step follows. A group that broke since (a shard died) ends the

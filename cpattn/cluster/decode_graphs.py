@@ -102,6 +102,17 @@ class DecodeGraphs:
         self._refill_writes(None if replica_slots is None else replica_slots.to(self.runner.device, non_blocking=True))
         return True
 
+    def refill_step_rows(self, slots_T: torch.Tensor, kv_lens_T: torch.Tensor, replica_T: torch.Tensor | None,
+                         written: WrittenPages | None) -> None:
+        """A steady decode run's step (cluster/steady_run.py): its rows, already on the device, into the buffers of
+        the bucket captured (the run's block table is in them already)."""
+        self.runner.builder.refill_rows(self.static, slots_T, kv_lens_T)
+        if replica_T is not None:
+            self.replica.copy_(replica_T)
+        if self.written is not None:
+            for buffer, value in zip(self.written, written):
+                buffer.copy_(value)
+
     def _refill_writes(self, replica_slots: torch.Tensor | None) -> None:
         """The step's replica slots (on the device) and, for dynamic fp8 scales, the pages its slots write, into
         the buffers (once per step, not in every layer's graph)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpattn.attention.ops.merge import merge_rows
-from cpattn.cluster.client_graphs import ClientLayerGraphs
+from cpattn.cluster.client_graphs import ClientLayerGraphs, use_client_graphs
 from cpattn.cluster.client_device import choose_data_plane, client_device
 from cpattn.cluster.client_group import GroupMembership
 from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit, Phases,
@@ -197,9 +197,9 @@ class Gateway(RunControl, GroupMembership):
         with self._run_lock:
             run = self.run
             if run is not None and run.continues(request):
-                step = phases.mark("run_next", run.next_step())   # a later step's plans are built when first read
-                if phases.mark("announce", self._announce(run, step.step_id)):
-                    return self._open(step, run.num_tokens, list(request), 0.0, phases)
+                begun = self._next_in_run(run, list(request), phases)
+                if begun is not None:
+                    return begun
             phases.mark("end_run", self.end_run())
         if self.plane_broken:
             self.rejoin()
@@ -238,11 +238,10 @@ class Gateway(RunControl, GroupMembership):
                         disjoint=rows_disjoint([p.rows for p in info.local_plans.values()]
                                                + list(info.remote_rows.values()), num_tokens))
         phases.mark("wire")
-        if self.client_graphs is not None and self.client_graphs.prepare(wire):
-            wire.graphs, wire.broken = self.client_graphs, [self.client_graphs.flags]
-            wire.norms = None if norms is None else self.client_graphs.norms
+        use_client_graphs(self.client_graphs, wire, norms)
         phases.mark("client_graphs")
         return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire, phases)
+
 
     def attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None = None
                ) -> torch.Tensor:

@@ -43,6 +43,19 @@ def written_pages(slots_R: torch.Tensor, page_tokens: int) -> WrittenPages:
     return WrittenPages(src, pages, writes & (slots % page_tokens == 0), writes)
 
 
+def written_pages_of_steps(slots_SR: torch.Tensor, page_tokens: int) -> WrittenPages:
+    """written_pages of each row of ``slots_SR`` (a decode run's S steps of R slot rows), at once: row j of each
+    field is written_pages(slots_SR[j]) (the run's steps are copied into the graphs' buffers one row a step)."""
+    steps, rows = slots_SR.shape
+    valid = slots_SR >= 0
+    first = torch.argmax(valid.to(torch.int32), dim=1, keepdim=True)                 # [S, 1]: 0 when none writes
+    src = torch.where(valid, torch.arange(rows, device=slots_SR.device).expand(steps, rows), first)
+    slots = torch.gather(slots_SR, 1, src)
+    writes = slots >= 0
+    pages = torch.where(writes, torch.div(slots, page_tokens, rounding_mode="floor"), torch.zeros_like(slots))
+    return WrittenPages(src, pages, writes & (slots % page_tokens == 0), writes)
+
+
 def grow_scales_of_pages(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,
                          v_TKD: torch.Tensor, written: WrittenPages, kv_format: str) -> None:
     """The per-layer half: grow the scales of ``written``'s pages to cover k/v (T tokens, repeated for each

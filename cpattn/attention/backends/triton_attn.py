@@ -156,12 +156,27 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         from cpattn.attention.backends.triton_decode import decode_num_splits
 
         t = common.num_actual_tokens
-        if (t == 0 or common.max_query_len != 1 or common.num_reqs != t
-                or any(w is not None for w in self.spec.sliding_windows)):
+        if common.max_query_len != 1 or common.num_reqs != t:
             return None
-        max_kv = int(common.seq_lens_cpu.max())
-        splits = decode_num_splits(t, self.spec.num_kv_heads, max_kv, torch.device(self.spec.device)) if max_kv else 1
-        return t, splits, max(64, 1 << (common.block_table_tensor.shape[1] - 1).bit_length())
+        return self.decode_graph_key(t, int(common.seq_lens_cpu.max()) if t else 0, common.block_table_tensor.shape[1])
+
+    def decode_graph_key(self, num_tokens: int, max_kv_len: int, width: int) -> tuple | None:
+        """graph_key of a plain decode-only step of ``num_tokens`` requests whose longest sees ``max_kv_len`` keys,
+        over a block table ``width`` pages wide; None where windows make it depend on more (or no token)."""
+        from cpattn.attention.backends.triton_decode import decode_num_splits
+
+        if num_tokens == 0 or any(w is not None for w in self.spec.sliding_windows):
+            return None
+        splits = (decode_num_splits(num_tokens, self.spec.num_kv_heads, max_kv_len, torch.device(self.spec.device))
+                  if max_kv_len else 1)
+        return num_tokens, splits, max(64, 1 << (width - 1).bit_length())
+
+    @staticmethod
+    def refill_rows(static: TritonAttentionMetadata, slots_T: torch.Tensor, kv_lens_T: torch.Tensor) -> None:
+        """A decode step's slots (int64) and key counts (int32), already on the device, into the graph's buffers (a
+        steady decode run's step: cluster/steady_run.py); its block table is the one they hold."""
+        static.slot_mapping.copy_(slots_T)
+        static.dec_kv_len.copy_(kv_lens_T)
 
     @staticmethod
     def refill_from_host(static: TritonAttentionMetadata, common: CommonAttentionMetadata,

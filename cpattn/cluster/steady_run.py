@@ -1,0 +1,122 @@
+"""A decode run's steady steps on the client: opened from rows on the device, without planning (issue 18).
+
+A decode run's steps differ only by one token per sequence. Its first step copies pages on write and may capture
+graphs, its second is planned as any later step; when every in-process shard replays its captured graphs in that
+second step, the run's rows of every step (each shard's slots, key counts, replica slots, and the pages dynamic fp8
+scales grow) go to the device at once, and each later step opens with a few device-to-device copies into the
+graphs' buffers and the second step's wire under the step's id. Planning a later step (its plans built from the
+run's arrays, the builder's ~15 small device copies and fills, the wire) cost 0.36-0.5 ms of the caller's time per
+step on an H200 host, most of it small torch operations at tens of microseconds each.
+A step whose bucket is not the captured one (more KV splits as sequences grow) or whose rows differ (a shard
+without keys of some sequence, a replica set that changed) opens as any later step; so does every step after the
+group or its graphs changed (a rejoin, a recapture).
+Legend: S steps of the run, T tokens of a step (one per sequence), R slot rows (T, or 2T with replica writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from cpattn.cluster.decode_graphs import DecodeGraphs
+from cpattn.cluster.decode_run_plans import RankRun, RunSteps
+from cpattn.kvstore.fp8_graphed import WrittenPages, written_pages_of_steps
+
+
+@dataclass
+class LocalRunRows:
+    """One in-process shard's rows of every step of a run, on the device, and the graphs they refill."""
+
+    graphs: DecodeGraphs
+    keys: list[tuple | None]
+    """Each step's bucket: a step refills the buffers only while the graphs hold its bucket (a step of another
+    bucket is planned, and captures it: the run's later steps of that bucket are served again)."""
+    slots: torch.Tensor
+    """[S, T] int64: each step's slot mapping (-1: a token this shard does not store)."""
+    kv_lens: torch.Tensor
+    """[S, T] int32: the keys each token sees on this shard (its own included where it stores it)."""
+    replica: torch.Tensor | None
+    """[S, T] int64 replica slots (kv_replicas=2), else None."""
+    written: WrittenPages | None
+    """Dynamic fp8 scales: [S, R] each, the pages each step's slot rows write (fp8_graphed.written_pages)."""
+
+    def refill(self, j: int) -> None:
+        written = None if self.written is None else WrittenPages(*(field[j] for field in self.written))
+        self.graphs.refill_step_rows(self.slots[j], self.kv_lens[j], None if self.replica is None else self.replica[j],
+                                     written)
+
+
+def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, list[bool]] | None:
+    """The rows of ``run`` (one in-process shard's, the client's copy) for ``graphs``, and which steps they can
+    serve (this shard computes every row); None when the shard's graphs cannot take rows (no bucket captured, a
+    prefix pass, a backend without decode_graph_key / refill_rows, replica writes that differ from the bucket's)."""
+    builder, key = graphs.runner.builder, graphs.key
+    if (graphs.disabled or key is None or key[4] is not None or (run.replica_slots is not None) != key[3]
+            or run.pieces.numel() or not all(hasattr(builder, h) for h in ("decode_graph_key", "refill_rows"))):
+        return None
+    t = run.positions.shape[1]
+    max_kv = run.seq_lens.amax(dim=1).tolist() if t else []
+    serves = run.computes.all(dim=1).tolist()
+    # key[2] is the table's width bucket: one table for the whole run, so only the split count can change
+    keys = [None if (k := builder.decode_graph_key(t, kv, key[2])) is None else k + key[3:] for kv in max_kv]
+    device = graphs.runner.device
+    slots = run.slots.to(device, non_blocking=True)
+    replica = None if run.replica_slots is None else run.replica_slots.to(device, non_blocking=True)
+    written = None
+    if graphs.written is not None:
+        rows = slots if replica is None else torch.cat([slots, replica], dim=1)
+        written = written_pages_of_steps(rows, graphs.runner.config.block_size)
+    kv_lens = run.seq_lens.to(torch.int32).to(device, non_blocking=True)
+    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written), serves
+
+
+class SteadyRun:
+    """The steps of one decode run that open from its rows on the device (``open``); the others return None."""
+
+    def __init__(self, template, rows: dict[int, LocalRunRows], serves: list[bool], step_ids: list[int]):
+        self.template = template
+        """The StepWire of the run's second step: its local PlannedSteps replay the graphs, its rows are every step's."""
+        self.rows = rows
+        self.serves = serves
+        self.step_ids = step_ids
+        self.norms = None if template.norms is None else torch.zeros_like(template.norms)
+
+    @classmethod
+    def of(cls, steps, template, graphs: dict[int, DecodeGraphs | None]) -> SteadyRun | None:
+        """From a run's later steps (``steps``, as begin_step's reply holds them) and its second step's StepWire
+        (``template``); None when no step could open this way."""
+        if (not isinstance(steps, RunSteps) or not template.local or template.selection is not None
+                or template.disjoint or any(rows is not None for rows in template.remote_rows.values())):
+            return None
+        remote = [r for r in range(len(steps.ranks)) if r not in steps.local]
+        if sorted(template.remote_rows) != remote:   # a remote shard that sends no row in this step
+            return None
+        serves = [True] * len(steps.ranks[0].step_ids)
+        for r in remote:   # each remote shard sends every row (the template's remote rows, every step)
+            serves = [s and every for s, every in zip(serves, steps.ranks[r].computes.all(dim=1).tolist())]
+        rows = {}
+        for r, planned in template.local.items():
+            g = graphs.get(r)
+            if g is None or planned.graphs is not g or planned.copies is not None:
+                return None
+            made = local_run_rows(steps.ranks[r], g)
+            if made is None:
+                return None
+            rows[r], served = made
+            serves = [s and ok for s, ok in zip(serves, served)]
+        return cls(template, rows, serves, steps.ranks[0].step_ids) if any(serves) else None
+
+    def open(self, j: int, graphs: dict[int, DecodeGraphs | None]):
+        """Step j of the run (0 = its first) as a StepWire, its rows copied into the graphs' buffers; None when the
+        step must be planned (a shard computes only some rows, the graphs hold another bucket than the step's, or
+        the shards' graphs are not the ones the rows are for)."""
+        if not (0 <= j < len(self.serves) and self.serves[j]):
+            return None
+        if any(graphs.get(r) is not rows.graphs or rows.graphs.key != rows.keys[j] for r, rows in self.rows.items()):
+            return None
+        for rows in self.rows.values():
+            rows.refill(j)
+        if self.norms is not None:
+            self.norms.zero_()   # the last step's were read when it ended
+        return replace(self.template, step_id=self.step_ids[j], broken=[], sent_bytes=0, graphs=None, norms=self.norms)

@@ -1,0 +1,53 @@
+"""Steady decode steps through the service on one GPU (cluster/steady_run.py): a long decode loop, most of whose
+steps open from their run's rows on the device, stays exact against the float64 oracle every step and layer, with
+bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, a mixed step in the middle (the run
+ends; the next one is steady again), and contexts that cross a KV-split bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kv, interleave, replicas", [("auto", 1, 1), ("auto", 16, 2), ("fp8_e4m3", 16, 1),
+                                                      ("fp8_e4m3", 1, 2)])
+def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas):
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle
+
+    cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.5, num_cpus_per_shard=0.5, num_blocks_per_shard=512, pcp_min_tokens=64,
+                         kv_cache_dtype=kv, kv_replicas=replicas, decode_run_steps=16)
+    svc = cpattn.start(cfg)
+    try:
+        assert sorted(svc.gateway.local) == [0, 1]   # both computed in the client's process
+        oracle = Oracle(cfg, seed=11)
+        bound = 1e-1 if kv.startswith("fp8") else 2e-2
+        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
+        # a: 2030 keys, ~1015 a shard: the decodes cross 1024 keys on each (another split count: a planned step)
+        decode = {a: 1, b: 1, c: 1}
+        steps = [{a: 1000, b: 200}, {a: 1030, b: 17, c: 130}] + [decode] * 24 + [{a: 1, b: 30, c: 1}] + [decode] * 20
+        steady = 0
+        for n, request in enumerate(steps):
+            t = sum(request.values())
+            pending = {}
+            with svc.step(request) as step:
+                for layer in range(cfg.num_layers):
+                    q, k, v = oracle.random_qkv(t)
+                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+                    ref, new_kv = oracle.reference(request, layer, q, k, v)
+                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert rel < bound, f"{kv} I={interleave} r{replicas} step {n} layer {layer}: rel {rel:.2e}"
+                    pending.update(new_kv)
+            oracle.commit(pending)
+            parts = step.timings["begin_parts"]
+            steady += "steady" in parts and "run_next" not in parts   # opened from the run's rows
+        # runs of 4, 8 and 12 of 16, then (after the mixed step) 4, 8 and 8 of 16: all but each run's first two
+        # steps (32), less a step per split bucket crossed
+        assert steady >= 28, steady
+    finally:
+        svc.shutdown()

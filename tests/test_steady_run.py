@@ -1,0 +1,100 @@
+"""A decode run's steady steps (cluster/steady_run.py) open from the run's rows on the device: the graphs' buffers
+then hold exactly what planning the step and refilling from its plan put there, for random runs (fresh seeds, random
+lengths, one to three shards of which the first one or two are in-process, interleave 1 and 16, kv_replicas 2,
+dynamic fp8 scales); a step is served exactly when its bucket is the captured one and every shard computes every
+row; nothing is served after the graphs changed. TRITON's builder plans on the CPU where triton imports (no kernel
+runs, nothing is captured: graphs.key is set as a capture would); the GPU replays them in
+tests/gpu/test_decode_graphs_gpu.py and through the service in tests/gpu/test_service_gpu.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cpattn.cluster import decode_run  # noqa: E402
+from cpattn.cluster.decode_graphs import DecodeGraphs  # noqa: E402
+from cpattn.cluster.decode_run_plans import use_block_tables  # noqa: E402
+from cpattn.cluster.gateway import StepWire  # noqa: E402
+from cpattn.cluster.steady_run import SteadyRun  # noqa: E402
+from test_decode_host_refill import _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401
+
+
+def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, replicas: int, kv: str):
+    rng = random.Random(seed)
+    steps = rng.randrange(4, 48)
+    # a decode loop's sequences, mostly with keys on every shard (a short one among them in half the runs)
+    runs = _decode_run(rng, shards, interleave, replicas, steps, short=seed % 2 == 0)
+    first, later = decode_run.client_steps(runs, list(range(steps)), list(local))
+    tables = {r: runs.ranks[r].table for r in local}   # the gateway's page cache gives the same tables
+    use_block_tables([first], tables)
+    use_block_tables(later, tables)
+    runners = {r: _runner(shards, replicas, kv) for r in local}
+    graphs = {r: DecodeGraphs(runner) for r, runner in runners.items()}
+    return runs, first, later, runners, graphs
+
+
+def _open_planned(info, runners, graphs) -> StepWire:
+    """What Gateway._open makes of a step's plans (its local shards planned, graphs refilled)."""
+    local = {r: runners[r].plan(p, graphs[r]) for r, p in info.local_plans.items()}
+    num_tokens = next(iter(info.local_plans.values())).num_tokens
+    return StepWire(info.step_id, num_tokens, local, dict(info.remote_rows))
+
+
+@pytest.mark.parametrize("seed", [2 * random.randrange(10**5), 2 * random.randrange(10**5) + 1, random.randrange(10**6)])
+@pytest.mark.parametrize("shards, local, interleave, replicas, kv", [
+    (1, (0,), 1, 1, "auto"), (3, (0,), 1, 1, "auto"), (2, (0, 1), 16, 2, "auto"), (3, (0,), 16, 2, "fp8_e4m3")])
+def test_steady_steps_fill_the_buffers_planning_fills(seed, shards, local, interleave, replicas, kv):
+    runs, first, later, runners, graphs = _case(seed, shards, local, interleave, replicas, kv)
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    steady = SteadyRun.of(later, template, graphs)
+    planned = {r: _runner(shards, replicas, kv) for r in local}
+    planned_graphs = {r: DecodeGraphs(p) for r, p in planned.items()}
+    captured = {r: g.key for r, g in graphs.items()}   # the fast graphs' bucket (a planned step recaptures)
+    remote = [r for r in range(shards) if r not in local]
+    template_ok = (all(p.graphs is not None for p in template.local.values()) and sorted(template.remote_rows) == remote
+                   and all(runs.ranks[r].rows(1) is None for r in range(shards)))
+    assert (steady is not None) == template_ok, seed
+    served = 0
+    for j in range(len(runs)):
+        want, in_bucket = {}, True
+        for r in local:
+            plan = runs.ranks[r].plan(j)
+            graphed = plan.rows is None and not plan.causal_pieces.numel()
+            want[r] = _planned_buffers(planned[r], planned_graphs[r], plan) if graphed else None
+            in_bucket &= graphed and planned_graphs[r].key == captured[r]
+        every_row = all(runs.ranks[r].rows(j) is None for r in range(shards))
+        if j < 2:
+            continue
+        wire = None if steady is None else steady.open(j, graphs)
+        # served exactly when every shard computes every row and every in-process bucket is the captured one
+        assert (wire is not None) == (steady is not None and in_bucket and every_row), (seed, j)
+        if wire is None:   # planned, as the gateway then does (capturing the step's bucket)
+            _open_planned(later[j - 1], runners, graphs)
+            captured = {r: g.key for r, g in graphs.items()}
+            continue
+        served += 1
+        assert wire.step_id == j and wire.local is template.local and wire.broken == [] and wire.graphs is None
+        for r in local:
+            got = _buffers(graphs[r], want[r]["table"].shape[1])
+            for name in want[r]:
+                assert torch.equal(got[name], want[r][name]), (seed, r, j, name)
+    if seed % 2:   # long sequences: a bucket serves most of the run (splits change a few times at most)
+        assert served >= len(runs) - 2 - 4, (seed, served, len(runs))
+
+
+def test_nothing_is_served_after_the_graphs_changed():
+    runs, first, later, runners, graphs = _case(11, 1, (0,), 1, 1, "auto")
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    steady = SteadyRun.of(later, template, graphs)
+    assert steady is not None and steady.open(2, graphs) is not None
+    assert steady.open(3, {0: DecodeGraphs(runners[0])}) is None      # a rejoin made new graphs
+    graphs[0].key = graphs[0].key[:1] + (graphs[0].key[1] * 2,) + graphs[0].key[2:]
+    assert steady.open(3, graphs) is None                               # another bucket captured than step 3's
+    assert steady.open(len(runs), graphs) is None and steady.open(-1, graphs) is None
