@@ -1,7 +1,7 @@
 """A decode run's later steps fill the captured graphs' buffers from the host (DecodeGraphs.prepare_from_host, issue 18:
 ~15 device copies and fills per step became two): the buffers then hold exactly what building the step's plan and
 refilling from it put there (prepare), for random runs (fresh seeds, random lengths, odd shard counts, interleave 1
-and 16, GQA, kv_replicas 2, dynamic fp8 scales), and a step outside the captured bucket (more splits, a wider table)
+and 16, GQA, kv_replicas 2, dynamic fp8 scales, sliding windows), and a step outside the captured bucket (more splits, a wider table)
 takes the planned path. TRITON's builder plans on the CPU where triton imports; no kernel runs and nothing is
 captured here (graphs.key is set as a capture would): tests/gpu/test_decode_graphs_gpu.py replays the graphs.
 """
@@ -28,10 +28,10 @@ BLOCK, BLOCKS = 16, 4096
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _runner(shards: int, replicas: int, kv: str) -> ShardLayerRunner:
+def _runner(shards: int, replicas: int, kv: str, window: int | None = None) -> ShardLayerRunner:
     cfg = ServiceConfig(num_shards=shards, num_layers=1, num_q_heads=8, num_kv_heads=2, head_size=16,
                         block_size=BLOCK, num_blocks_per_shard=BLOCKS, device=DEVICE.type, dtype="bfloat16",
-                        backend="TRITON", kv_replicas=replicas, kv_cache_dtype=kv)
+                        backend="TRITON", kv_replicas=replicas, kv_cache_dtype=kv, sliding_window=window)
     fp8 = kv != "auto"
     cache = torch.zeros(2, BLOCKS, BLOCK, 2, 16, device=DEVICE, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     scales = [torch.ones(2, BLOCKS, 2, device=DEVICE)] if fp8 else None
@@ -74,6 +74,8 @@ def _buffers(graphs: DecodeGraphs, width: int) -> dict:
     s = graphs.static
     out = {"slots": s.slot_mapping, "kv_len": s.dec_kv_len, "table": s.block_table[:, :width],
            "dec_tok": s.dec_tok, "dec_req": s.dec_req}
+    for w, (tok_starts, dec_starts, _) in s.window_starts.items():
+        out[f"window{w}_tok"], out[f"window{w}_dec"] = tok_starts, dec_starts
     if graphs.replica is not None:
         out["replica"] = graphs.replica
     for i, w in enumerate(graphs.written or ()):
@@ -82,14 +84,15 @@ def _buffers(graphs: DecodeGraphs, width: int) -> dict:
 
 
 @pytest.mark.parametrize("seed", [random.randrange(10**6) for _ in range(4)])
-@pytest.mark.parametrize("shards, interleave, replicas, kv", [(1, 1, 1, "auto"), (3, 1, 1, "auto"),
-                                                              (3, 16, 2, "auto"), (2, 16, 2, "fp8_e4m3")])
-def test_later_steps_fill_the_buffers_the_planned_path_fills(seed, shards, interleave, replicas, kv):
+@pytest.mark.parametrize("shards, interleave, replicas, kv, window", [
+    (1, 1, 1, "auto", None), (3, 1, 1, "auto", None), (3, 16, 2, "auto", None), (2, 16, 2, "fp8_e4m3", None),
+    (1, 1, 1, "auto", 300), (3, 16, 1, "fp8_e4m3", 1000)])
+def test_later_steps_fill_the_buffers_the_planned_path_fills(seed, shards, interleave, replicas, kv, window):
     rng = random.Random(seed)
     steps = rng.randrange(3, 40)
     runs = _decode_run(rng, shards, interleave, replicas, steps)
     for rank in range(shards):
-        fast, planned = _runner(shards, replicas, kv), _runner(shards, replicas, kv)
+        fast, planned = _runner(shards, replicas, kv, window), _runner(shards, replicas, kv, window)
         fast_graphs, planned_graphs = DecodeGraphs(fast), DecodeGraphs(planned)
         from_host = 0
         for j in range(steps):

@@ -1,7 +1,7 @@
 """A decode run's steady steps (cluster/steady_run.py) open from the run's rows on the device: the graphs' buffers
 then hold exactly what planning the step and refilling from its plan put there, for random runs (fresh seeds, random
-lengths, one to three shards of which the first one or two are in-process, interleave 1 and 16, kv_replicas 2,
-dynamic fp8 scales); a step is served exactly when its bucket is the captured one and every shard computes every
+lengths, one to three shards one or two of them in-process, interleave 1 and 16, kv_replicas 2,
+dynamic fp8 scales, sliding windows); a step is served exactly when its bucket is the captured one and every shard computes every
 row; nothing is served after the graphs changed. TRITON's builder plans on the CPU where triton imports (no kernel
 runs, nothing is captured: graphs.key is set as a capture would); the GPU replays them in
 tests/gpu/test_decode_graphs_gpu.py and through the service in tests/gpu/test_service_gpu.py.
@@ -24,7 +24,8 @@ from cpattn.cluster.steady_run import SteadyRun  # noqa: E402
 from test_decode_host_refill import _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401
 
 
-def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, replicas: int, kv: str):
+def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, replicas: int, kv: str,
+          window: int | None = None):
     rng = random.Random(seed)
     steps = rng.randrange(4, 48)
     # a decode loop's sequences, mostly with keys on every shard (a short one among them in half the runs)
@@ -33,7 +34,7 @@ def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, repli
     tables = {r: runs.ranks[r].table for r in local}   # the gateway's page cache gives the same tables
     use_block_tables([first], tables)
     use_block_tables(later, tables)
-    runners = {r: _runner(shards, replicas, kv) for r in local}
+    runners = {r: _runner(shards, replicas, kv, window) for r in local}
     graphs = {r: DecodeGraphs(runner) for r, runner in runners.items()}
     return runs, first, later, runners, graphs
 
@@ -46,14 +47,15 @@ def _open_planned(info, runners, graphs) -> StepWire:
 
 
 @pytest.mark.parametrize("seed", [2 * random.randrange(10**5), 2 * random.randrange(10**5) + 1, random.randrange(10**6)])
-@pytest.mark.parametrize("shards, local, interleave, replicas, kv", [
-    (1, (0,), 1, 1, "auto"), (3, (0,), 1, 1, "auto"), (2, (0, 1), 16, 2, "auto"), (3, (0,), 16, 2, "fp8_e4m3")])
-def test_steady_steps_fill_the_buffers_planning_fills(seed, shards, local, interleave, replicas, kv):
-    runs, first, later, runners, graphs = _case(seed, shards, local, interleave, replicas, kv)
+@pytest.mark.parametrize("shards, local, interleave, replicas, kv, window", [
+    (1, (0,), 1, 1, "auto", None), (3, (0,), 1, 1, "auto", None), (2, (0, 1), 16, 2, "auto", None),
+    (3, (0,), 16, 2, "fp8_e4m3", None), (1, (0,), 1, 1, "auto", 300), (3, (0, 2), 16, 1, "fp8_e4m3", 1000)])
+def test_steady_steps_fill_the_buffers_planning_fills(seed, shards, local, interleave, replicas, kv, window):
+    runs, first, later, runners, graphs = _case(seed, shards, local, interleave, replicas, kv, window)
     _open_planned(first, runners, graphs)
     template = _open_planned(later[0], runners, graphs)
     steady = SteadyRun.of(later, template, graphs)
-    planned = {r: _runner(shards, replicas, kv) for r in local}
+    planned = {r: _runner(shards, replicas, kv, window) for r in local}
     planned_graphs = {r: DecodeGraphs(p) for r, p in planned.items()}
     captured = {r: g.key for r, g in graphs.items()}   # the fast graphs' bucket (a planned step recaptures)
     remote = [r for r in range(shards) if r not in local]

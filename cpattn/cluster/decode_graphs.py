@@ -103,10 +103,10 @@ class DecodeGraphs:
         return True
 
     def refill_step_rows(self, slots_T: torch.Tensor, kv_lens_T: torch.Tensor, replica_T: torch.Tensor | None,
-                         written: WrittenPages | None) -> None:
+                         written: WrittenPages | None, window_starts: dict[int, torch.Tensor]) -> None:
         """A steady decode run's step (cluster/steady_run.py): its rows, already on the device, into the buffers of
         the bucket captured (the run's block table is in them already)."""
-        self.runner.builder.refill_rows(self.static, slots_T, kv_lens_T)
+        self.runner.builder.refill_rows(self.static, slots_T, kv_lens_T, window_starts)
         if replica_T is not None:
             self.replica.copy_(replica_T)
         if self.written is not None:

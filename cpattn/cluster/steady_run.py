@@ -21,6 +21,7 @@ import torch
 
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
+from cpattn.kvstore import dcp_local_seq_lens
 from cpattn.kvstore.fp8_graphed import WrittenPages, written_pages_of_steps
 
 
@@ -40,11 +41,13 @@ class LocalRunRows:
     """[S, T] int64 replica slots (kv_replicas=2), else None."""
     written: WrittenPages | None
     """Dynamic fp8 scales: [S, R] each, the pages each step's slot rows write (fp8_graphed.written_pages)."""
+    window_starts: dict[int, torch.Tensor]
+    """Per sliding window, [S, T] int32: each token's first visible local key (metadata.window_key_start)."""
 
     def refill(self, j: int) -> None:
         written = None if self.written is None else WrittenPages(*(field[j] for field in self.written))
         self.graphs.refill_step_rows(self.slots[j], self.kv_lens[j], None if self.replica is None else self.replica[j],
-                                     written)
+                                     written, {w: starts[j] for w, starts in self.window_starts.items()})
 
 
 def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, list[bool]] | None:
@@ -56,10 +59,18 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, li
             or run.pieces.numel() or not all(hasattr(builder, h) for h in ("decode_graph_key", "refill_rows"))):
         return None
     t = run.positions.shape[1]
-    max_kv = run.seq_lens.amax(dim=1).tolist() if t else []
+    if t == 0:
+        return None
+    max_kv = run.seq_lens.amax(dim=1).tolist()
     serves = run.computes.all(dim=1).tolist()
-    # key[2] is the table's width bucket: one table for the whole run, so only the split count can change
-    keys = [None if (k := builder.decode_graph_key(t, kv, key[2])) is None else k + key[3:] for kv in max_kv]
+    starts = {w: dcp_local_seq_lens((run.positions - w + 1).clamp(min=0), run.world_size, run.rank, run.interleave)
+              for w in sorted({w for w in builder.spec.sliding_windows if w is not None})}
+    in_window = {w: (run.seq_lens - s).clamp(min=0).amax(dim=1).tolist() for w, s in starts.items()}
+    # key[2] is the table's width bucket: one table for the whole run, so only the split counts can change
+    keys = []
+    for j, kv in enumerate(max_kv):
+        k = builder.decode_graph_key(t, kv, key[2], {w: most[j] for w, most in in_window.items()})
+        keys.append(None if k is None else k + key[3:])
     device = graphs.runner.device
     slots = run.slots.to(device, non_blocking=True)
     replica = None if run.replica_slots is None else run.replica_slots.to(device, non_blocking=True)
@@ -68,7 +79,8 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, li
         rows = slots if replica is None else torch.cat([slots, replica], dim=1)
         written = written_pages_of_steps(rows, graphs.runner.config.block_size)
     kv_lens = run.seq_lens.to(torch.int32).to(device, non_blocking=True)
-    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written), serves
+    window_starts = {w: s.to(torch.int32).to(device, non_blocking=True) for w, s in starts.items()}
+    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written, window_starts), serves
 
 
 class SteadyRun:

@@ -1,6 +1,6 @@
 """Steady decode steps through the service on one GPU (cluster/steady_run.py): a long decode loop, most of whose
 steps open from their run's rows on the device, stays exact against the float64 oracle every step and layer, with
-bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, a mixed step in the middle (the run
+bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, sliding windows, a mixed step in the middle (the run
 ends; the next one is steady again), and contexts that cross a KV-split bucket."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kv, interleave, replicas", [("auto", 1, 1), ("auto", 16, 2), ("fp8_e4m3", 16, 1),
-                                                      ("fp8_e4m3", 1, 2)])
-def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas):
+@pytest.mark.parametrize("kv, interleave, replicas, window", [
+    ("auto", 1, 1, None), ("auto", 16, 2, None), ("fp8_e4m3", 16, 1, None), ("fp8_e4m3", 1, 2, None),
+    ("auto", 16, 1, [None, 300]), ("fp8_e4m3", 1, 1, [700, 64])])
+def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas, window):
     import cpattn
     from conftest import service_config
     from service_oracle import Oracle
@@ -21,7 +22,7 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
     cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                          dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
                          num_gpus_per_shard=0.5, num_cpus_per_shard=0.5, num_blocks_per_shard=512, pcp_min_tokens=64,
-                         kv_cache_dtype=kv, kv_replicas=replicas, decode_run_steps=16)
+                         kv_cache_dtype=kv, kv_replicas=replicas, decode_run_steps=16, sliding_window=window)
     svc = cpattn.start(cfg)
     try:
         assert sorted(svc.gateway.local) == [0, 1]   # both computed in the client's process
@@ -41,7 +42,7 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
                     out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
                     ref, new_kv = oracle.reference(request, layer, q, k, v)
                     rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < bound, f"{kv} I={interleave} r{replicas} step {n} layer {layer}: rel {rel:.2e}"
+                    assert rel < bound, f"{kv} I={interleave} r{replicas} W={window} step {n} layer {layer}: rel {rel:.2e}"
                     pending.update(new_kv)
             oracle.commit(pending)
             parts = step.timings["begin_parts"]

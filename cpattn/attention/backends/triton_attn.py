@@ -18,6 +18,7 @@ from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, Atte
                                       AttentionMetadataBuilder, AttentionSelectorConfig, write_kv_cache)
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.ops.partials import unattended_rows
+from cpattn.attention.backends.triton_graph_hooks import TritonGraphHooks
 from cpattn.attention.backends.triton_query_groups import (attend_query_groups, into_step_rows, max_queries,
                                                           plan_query_groups)
 from cpattn.attention.metadata import CommonAttentionMetadata
@@ -66,7 +67,7 @@ CONTEXT_DECODE_MAX_QUERIES = 16
 program per query (TritonMetadataBuilder.build)."""
 
 
-class TritonMetadataBuilder(AttentionMetadataBuilder):
+class TritonMetadataBuilder(TritonGraphHooks, AttentionMetadataBuilder):
     """Plans once per step: decode token lists and split count, prefill tiles."""
 
     def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
@@ -127,97 +128,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts or md.has_writes:
             return None
         return dataclasses.replace(md, query_groups=into_step_rows(md.query_groups, rows_R, md.block_table.device))
-
-    # CUDA graphs (cpattn.cluster.decode_graphs) -------------------------------------------------
-    def graph_key(self, md: TritonAttentionMetadata) -> tuple | None:
-        """(T, S (with each window's S), block-table width bucket) of a decode-only step, whose launches depend on
-        nothing else; for a pass of query groups only (a cascade's prefix pass over forks' shared pages) S is
-        ("groups", writes, (n, requests, S) of each group). None when the step cannot replay a captured graph
-        (prefill tiles are planned per step)."""
-        if md.num_tokens == 0:
-            return None
-        width = max(64, 1 << (md.block_table.shape[1] - 1).bit_length())
-        if not md.decode_only:
-            if not md.query_groups or md.dec_tok.numel() or md.tiles[0].numel() or md.window_starts:
-                return None
-            groups = tuple((g.n, g.req.numel(), g.splits, g.all_rows, g.out_rows is not None, g.q_step_rows)
-                           for g in md.query_groups)
-            return md.num_tokens, ("groups", md.has_writes, *groups), width
-        splits = md.num_splits
-        if md.window_starts:     # each window's S too (decode_graphs appends to this 3-tuple: keep its length)
-            splits = (splits,) + tuple((w, ws[2]) for w, ws in sorted(md.window_starts.items()))
-        return md.num_tokens, splits, width
-
-    def host_graph_key(self, common: CommonAttentionMetadata) -> tuple | None:
-        """graph_key of build(common) for a plain decode-only step (one query per request, no window), from host
-        values alone; None for any other step (it is built, then keyed). A decode run's later steps replay
-        graphs already captured: refill_from_host then fills their buffers with two copies instead of build()'s
-        ~15 device copies and fills per step (DecodeGraphs.prepare_from_host)."""
-        from cpattn.attention.backends.triton_decode import decode_num_splits
-
-        t = common.num_actual_tokens
-        if common.max_query_len != 1 or common.num_reqs != t:
-            return None
-        return self.decode_graph_key(t, int(common.seq_lens_cpu.max()) if t else 0, common.block_table_tensor.shape[1])
-
-    def decode_graph_key(self, num_tokens: int, max_kv_len: int, width: int) -> tuple | None:
-        """graph_key of a plain decode-only step of ``num_tokens`` requests whose longest sees ``max_kv_len`` keys,
-        over a block table ``width`` pages wide; None where windows make it depend on more (or no token)."""
-        from cpattn.attention.backends.triton_decode import decode_num_splits
-
-        if num_tokens == 0 or any(w is not None for w in self.spec.sliding_windows):
-            return None
-        splits = (decode_num_splits(num_tokens, self.spec.num_kv_heads, max_kv_len, torch.device(self.spec.device))
-                  if max_kv_len else 1)
-        return num_tokens, splits, max(64, 1 << (width - 1).bit_length())
-
-    @staticmethod
-    def refill_rows(static: TritonAttentionMetadata, slots_T: torch.Tensor, kv_lens_T: torch.Tensor) -> None:
-        """A decode step's slots (int64) and key counts (int32), already on the device, into the graph's buffers (a
-        steady decode run's step: cluster/steady_run.py); its block table is the one they hold."""
-        static.slot_mapping.copy_(slots_T)
-        static.dec_kv_len.copy_(kv_lens_T)
-
-    @staticmethod
-    def refill_from_host(static: TritonAttentionMetadata, common: CommonAttentionMetadata,
-                         table: torch.Tensor | None) -> None:
-        """refill(static, build(common)) for a step host_graph_key keyed, from the host values: its slots and key
-        counts copied in, and ``table`` (the block table on the device) unless None (the buffers hold it already)."""
-        static.slot_mapping.copy_(common.slots_on_host(), non_blocking=True)
-        static.dec_kv_len.copy_(common.seq_lens_cpu.to(torch.int32), non_blocking=True)
-        if table is not None:
-            static.block_table[:, :table.shape[1]].copy_(table)
-
-    def make_static(self, md: TritonAttentionMetadata, key: tuple) -> TritonAttentionMetadata:
-        """Metadata at fixed addresses for graphs of ``key``'s bucket (invariant 8); no writes until refilled."""
-        t, _, width = key
-        dev = md.block_table.device
-        return dataclasses.replace(
-            md, has_writes=md.decode_only or md.has_writes,
-            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=dev),
-            block_table=torch.zeros(md.block_table.shape[0], width, dtype=torch.int64, device=dev),
-            dec_tok=md.dec_tok.clone(), dec_req=md.dec_req.clone(), dec_kv_len=md.dec_kv_len.clone(),
-            window_starts={w: (a.clone(), b.clone(), n) for w, (a, b, n) in md.window_starts.items()},
-            query_groups=[dataclasses.replace(g, first_tok=g.first_tok.clone(), req=g.req.clone(),
-                                              kv_len=g.kv_len.clone(),
-                                              out_rows=None if g.out_rows is None else g.out_rows.clone())
-                          for g in md.query_groups])
-
-    def refill(self, static: TritonAttentionMetadata, md: TritonAttentionMetadata) -> None:
-        """This step's values into the graph's buffers. Columns past the step's width keep stale page ids:
-        the kernel reads only the pages below each token's key count."""
-        static.slot_mapping.copy_(md.slot_mapping)
-        static.block_table[:, :md.block_table.shape[1]].copy_(md.block_table)
-        static.dec_kv_len.copy_(md.dec_kv_len)
-        for w, (tok_starts, dec_starts, _) in md.window_starts.items():
-            static.window_starts[w][0].copy_(tok_starts)
-            static.window_starts[w][1].copy_(dec_starts)
-        for kept, grp in zip(static.query_groups, md.query_groups):
-            kept.first_tok.copy_(grp.first_tok)
-            kept.req.copy_(grp.req)
-            kept.kv_len.copy_(grp.kv_len)
-            if kept.out_rows is not None:
-                kept.out_rows.copy_(grp.out_rows)
 
 
 class TritonAttentionImpl(AttentionImpl):
