@@ -136,6 +136,25 @@ def checked_step(svc, oracle: Oracle, request: dict[str, int], after_layer=None,
     return step, worst
 
 
+def relative_step(svc, oracle: Oracle, request: dict[str, int], bound: float, where: str, device: str = "cuda"):
+    """One full step with q/k/v on ``device`` (the GPU tests'), each layer's output within ``bound`` relative error
+    (norm) of the float64 oracle, the oracle's history committed; returns the step. ``where`` names the case."""
+    t = sum(request.values())
+    pending = {}
+    with svc.step(request) as step:
+        for layer in range(oracle.cfg.num_layers):
+            q, k, v = oracle.random_qkv(t)
+            sinks = oracle.sinks.get(layer)
+            extra = {} if sinks is None else {"sinks": sinks.float().to(device)}
+            out = step.attend(layer, q.to(device), k.to(device), v.to(device), **extra)
+            ref, new_kv = oracle.reference(request, layer, q, k, v)
+            rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+            assert rel < bound, f"{where}: {request} layer {layer}: relative error {rel:.2e}"
+            pending.update(new_kv)
+    oracle.commit(pending)
+    return step
+
+
 def run_step(svc, oracle: Oracle, request: dict[str, int], check: bool = True) -> float:
     """checked_step without fault injection; returns the max error."""
     return checked_step(svc, oracle, request, check=check)[1]

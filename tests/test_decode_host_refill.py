@@ -1,8 +1,8 @@
 """A decode run's later steps fill the captured graphs' buffers from the host (DecodeGraphs.prepare_from_host, issue 18:
 ~15 device copies and fills per step became two): the buffers then hold exactly what building the step's plan and
 refilling from it put there (prepare), for random runs (fresh seeds, random lengths, odd shard counts, interleave 1
-and 16, GQA, kv_replicas 2, dynamic fp8 scales, sliding windows), and a step outside the captured bucket (more splits, a wider table)
-takes the planned path. TRITON's builder plans on the CPU where triton imports; no kernel runs and nothing is
+and 16, GQA, kv_replicas 2, dynamic fp8 scales, sliding windows), and a step outside the captured bucket (more
+splits, a wider table) takes the planned path. TRITON's builder plans on the CPU where triton imports; no kernel runs and nothing is
 captured here (graphs.key is set as a capture would): tests/gpu/test_decode_graphs_gpu.py replays the graphs.
 """
 

@@ -1,10 +1,10 @@
 """A decode run's steady steps (cluster/steady_run.py) open from the run's rows on the device: the graphs' buffers
 then hold exactly what planning the step and refilling from its plan put there, for random runs (fresh seeds, random
-lengths, one to three shards one or two of them in-process, interleave 1 and 16, kv_replicas 2,
-dynamic fp8 scales, sliding windows); a step is served exactly when its bucket is the captured one and every shard computes every
-row; nothing is served after the graphs changed. TRITON's builder plans on the CPU where triton imports (no kernel
-runs, nothing is captured: graphs.key is set as a capture would); the GPU replays them in
-tests/gpu/test_decode_graphs_gpu.py and through the service in tests/gpu/test_service_gpu.py.
+lengths, one to three shards, one or two of them in-process, interleave 1 and 16, kv_replicas 2, dynamic fp8 scales,
+sliding windows); a step is served exactly when its bucket is the captured one and every shard computes every row;
+nothing is served after the graphs changed. TRITON's builder plans on the CPU where triton imports (no kernel runs,
+nothing is captured: graphs.key is set as a capture would); the GPU replays them in tests/gpu/test_decode_graphs_gpu.py
+and through the service in tests/gpu/test_steady_run_gpu.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def _open_planned(info, runners, graphs) -> StepWire:
     return StepWire(info.step_id, num_tokens, local, dict(info.remote_rows))
 
 
-@pytest.mark.parametrize("seed", [2 * random.randrange(10**5), 2 * random.randrange(10**5) + 1, random.randrange(10**6)])
+SEEDS = [2 * random.randrange(10**5), 2 * random.randrange(10**5) + 1, random.randrange(10**6)]   # an even, an odd
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shards, local, interleave, replicas, kv, window", [
     (1, (0,), 1, 1, "auto", None), (3, (0,), 1, 1, "auto", None), (2, (0, 1), 16, 2, "auto", None),
     (3, (0,), 16, 2, "fp8_e4m3", None), (1, (0,), 1, 1, "auto", 300), (3, (0, 2), 16, 1, "fp8_e4m3", 1000)])

@@ -44,10 +44,18 @@ class LocalRunRows:
     window_starts: dict[int, torch.Tensor]
     """Per sliding window, [S, T] int32: each token's first visible local key (metadata.window_key_start)."""
 
+    def __post_init__(self):
+        # Each step's rows as views, made once: indexing them per step was a torch call (~20 us on a GPU host) each.
+        steps = len(self.keys)
+        self._rows = list(zip(self.slots.unbind(0), self.kv_lens.unbind(0),
+                              self.replica.unbind(0) if self.replica is not None else [None] * steps,
+                              zip(*(f.unbind(0) for f in self.written)) if self.written is not None else [None] * steps,
+                              [{w: s[j] for w, s in self.window_starts.items()} for j in range(steps)]))
+
     def refill(self, j: int) -> None:
-        written = None if self.written is None else WrittenPages(*(field[j] for field in self.written))
-        self.graphs.refill_step_rows(self.slots[j], self.kv_lens[j], None if self.replica is None else self.replica[j],
-                                     written, {w: starts[j] for w, starts in self.window_starts.items()})
+        slots, kv_lens, replica, written, window_starts = self._rows[j]
+        self.graphs.refill_step_rows(slots, kv_lens, replica, None if written is None else WrittenPages(*written),
+                                     window_starts)
 
 
 def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, list[bool]] | None:
@@ -88,7 +96,7 @@ class SteadyRun:
 
     def __init__(self, template, rows: dict[int, LocalRunRows], serves: list[bool], step_ids: list[int]):
         self.template = template
-        """The StepWire of the run's second step: its local PlannedSteps replay the graphs, its rows are every step's."""
+        """The StepWire of the run's second step: its local PlannedSteps replay the graphs (every later step's)."""
         self.rows = rows
         self.serves = serves
         self.step_ids = step_ids

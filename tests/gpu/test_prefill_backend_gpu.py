@@ -33,7 +33,7 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
     pages; bound 1e-1 (the README's e4m3 bound) instead of bf16's 1e-2."""
     import cpattn
     from conftest import service_config
-    from service_oracle import Oracle
+    from service_oracle import Oracle, relative_step
 
     why = _why_not()
     if why:
@@ -58,17 +58,7 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
         oracle = Oracle(cfg, seed=5)
         ids = {name: svc.add_sequence() for name in "abc"}
         for named in REQUESTS:
-            request = {ids[n]: t for n, t in named.items()}
-            pending = {}
-            with svc.step(request) as step:
-                for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(sum(request.values()))
-                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                    ref, new_kv = oracle.reference(request, layer, q, k, v)
-                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < bound, f"{gpus} GPU(s) {kv} {named} layer {layer}: relative error {rel:.2e}"
-                    pending.update(new_kv)
-            oracle.commit(pending)
+            relative_step(svc, oracle, {ids[n]: t for n, t in named.items()}, bound, f"{gpus} GPU(s) {kv} {named}")
         # Decode steps ran on TRITON's captured graphs (prefill steps never prepare them).
         assert all(g is not None and g.key is not None for g in gw.local_graphs.values())
     finally:

@@ -28,7 +28,7 @@ def _usable(backend: str, block_size: int) -> str | None:
 def test_service_on_one_gpu_matches_reference(ray_session, backend, interleave):
     import cpattn
     from conftest import service_config
-    from service_oracle import Oracle
+    from service_oracle import Oracle, relative_step
 
     why = _usable(backend, 16)
     if why:
@@ -42,17 +42,7 @@ def test_service_on_one_gpu_matches_reference(ray_session, backend, interleave):
         oracle = Oracle(cfg, seed=3)
         a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
         for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
-            t = sum(request.values())
-            pending = {}
-            with svc.step(request) as step:
-                for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(t)
-                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                    ref, new_kv = oracle.reference(request, layer, q, k, v)
-                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < 1e-2, f"{backend} I={interleave} {request}: relative error {rel:.2e}"
-                    pending.update(new_kv)
-            oracle.commit(pending)
+            relative_step(svc, oracle, request, 1e-2, f"{backend} I={interleave}")
     finally:
         svc.shutdown()
 
@@ -66,7 +56,7 @@ def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus
     (bf16 rel < 2e-2, fp8 e4m3 < 1e-1)."""
     import cpattn
     from conftest import service_config
-    from service_oracle import Oracle
+    from service_oracle import Oracle, relative_step
 
     if gpus > torch.cuda.device_count():
         pytest.skip(f"needs {gpus} GPUs")
@@ -85,18 +75,6 @@ def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus
         bound = 1e-1 if kv.startswith("fp8") else 2e-2
         a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
         for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
-            t = sum(request.values())
-            pending = {}
-            with svc.step(request) as step:
-                for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(t)
-                    sinks = oracle.sinks.get(layer)
-                    extra = {} if sinks is None else {"sinks": sinks.float().cuda()}
-                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda(), **extra)
-                    ref, new_kv = oracle.reference(request, layer, q, k, v)
-                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < bound, f"{kv} I={interleave} {gpus} GPU(s) layer {layer} {request}: rel {rel:.2e}"
-                    pending.update(new_kv)
-            oracle.commit(pending)
+            relative_step(svc, oracle, request, bound, f"{kv} I={interleave} {gpus} GPU(s)")
     finally:
         svc.shutdown()

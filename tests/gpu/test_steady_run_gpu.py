@@ -1,12 +1,11 @@
 """Steady decode steps through the service on one GPU (cluster/steady_run.py): a long decode loop, most of whose
 steps open from their run's rows on the device, stays exact against the float64 oracle every step and layer, with
-bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, sliding windows, a mixed step in the middle (the run
-ends; the next one is steady again), and contexts that cross a KV-split bucket."""
+bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, sliding windows, a mixed step in the
+middle (the run ends; the next one is steady again), and contexts that cross a KV-split bucket."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas, window):
     import cpattn
     from conftest import service_config
-    from service_oracle import Oracle
+    from service_oracle import Oracle, relative_step
 
     cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                          dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
@@ -34,17 +33,7 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
         steps = [{a: 1000, b: 200}, {a: 1030, b: 17, c: 130}] + [decode] * 24 + [{a: 1, b: 30, c: 1}] + [decode] * 20
         steady = 0
         for n, request in enumerate(steps):
-            t = sum(request.values())
-            pending = {}
-            with svc.step(request) as step:
-                for layer in range(cfg.num_layers):
-                    q, k, v = oracle.random_qkv(t)
-                    out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
-                    ref, new_kv = oracle.reference(request, layer, q, k, v)
-                    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert rel < bound, f"{kv} I={interleave} r{replicas} W={window} step {n} layer {layer}: rel {rel:.2e}"
-                    pending.update(new_kv)
-            oracle.commit(pending)
+            step = relative_step(svc, oracle, request, bound, f"{kv} I={interleave} r{replicas} W={window} step {n}")
             parts = step.timings["begin_parts"]
             steady += "steady" in parts and "run_next" not in parts   # opened from the run's rows
         # runs of 4, 8 and 12 of 16, then (after the mixed step) 4, 8 and 8 of 16: all but each run's first two
