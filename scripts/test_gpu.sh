@@ -4,6 +4,8 @@
 # for ~100 s on first use, so its cases are a part of their own).
 #   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP, cascade splits
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
+#   bash scripts/test_gpu.sh steady      # a decode run's steps opened without a plan (buffers from the host or
+#                                        # the run's rows) vs the planned path, and through the service vs float64
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
 #   bash scripts/test_gpu.sh usergraph   # svc.decode_graph: a model's decode forward in one CUDA graph (1 and 2 GPUs)
@@ -24,6 +26,8 @@ case "$part" in
              tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
              tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;
+  steady) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/test_decode_host_refill.py \
+            tests/test_steady_run.py tests/gpu/test_steady_run_gpu.py tests/gpu/test_begin_syncs_gpu.py "$@" ;;
   dataplane) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_data_plane_gpu.py \
                tests/gpu/test_client_graphs_gpu.py \
                -k "not FLASHINFER" "$@" ;;
@@ -33,6 +37,7 @@ case "$part" in
   prefill) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_prefill_backend_gpu.py \
              tests/gpu/test_wire_select_gpu.py tests/gpu/test_long_context_job_gpu.py "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
-  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|dataplane|usergraph|prefill|flashinfer|features} [pytest args]" >&2
+  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|steady|dataplane|usergraph|prefill|flashinfer|features}" \
+          "[pytest args]" >&2
      exit 1 ;;
 esac
