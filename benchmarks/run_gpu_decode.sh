@@ -7,8 +7,10 @@
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh prefix-sweep  # issue 24: CONFIG_OVERRIDES["query_groups"], ~2 min
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-tests     # issue 22: every fp8 sweep candidate (the heads kernel
 #                                                                # too) and TRITON's features vs float64; fp8_tests.json
-#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh begin   # issue 18: benchmarks/profile_begin.py (where opening a decode
-#                                                          # step spends the caller's time, by phase) and the no-sync test
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh begin   # issue 18: benchmarks/op_cost.py (a small torch call's cost at
+#                                                          # each stage of the client), benchmarks/profile_begin.py (where
+#                                                          # opening a decode step spends the caller's time, by phase)
+#                                                          # and the no-sync test
 set -u
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1
@@ -41,6 +43,7 @@ case "${1:-tests}" in
     python3 benchmarks/junit_json.py "$OUT/fp8_tests.xml" "$OUT/fp8_tests.json"
     echo "fp8-tests $(( $(date +%s) - T0 ))s" ;;
   begin)
+    timeout 120 python3 benchmarks/op_cost.py --json "$OUT/op_cost.json" 2>&1 | grep -v -E "WARNING|NumPy|^\s*$" | tail -10
     timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_begin_syncs_gpu.py 2>&1 \
       | tee "$OUT/pytest_begin_syncs_gpu.log" | grep -v -E "WARNING|NumPy|^\s*$" | tail -8
     timeout "${LIMIT:-450}" python3 benchmarks/profile_begin.py --torch-profile ${CASES:+--cases "$CASES"} \
