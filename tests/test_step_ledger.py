@@ -88,7 +88,7 @@ def test_a_refused_step_changes_nothing():
     ledger.table.add("c-1", "a")
     with pytest.raises(CapacityError, match="client quota: holding 0 tokens, this step adds 9"):
         ledger.admit("c-1", {"a": 9}, 1, 1)
-    with pytest.raises(InvalidRequestError, match=r"ahead 0 must be an int in 1..64"):
+    with pytest.raises(InvalidRequestError, match=rf"ahead 0 must be an int in 1..{decode_run.MAX_RUN_STEPS}"):
         ledger.admit("c-1", {"a": 1}, 0, 1)
     assert ledger.table.blocks_used() == [0, 0] and len(ledger.steps) == 0
 
