@@ -39,7 +39,10 @@ def _calls(device: torch.device) -> dict:
     return {"zero_": small.zero_, "copy_ device": lambda: small.copy_(source),
             "copy_ from host": lambda: small.copy_(host, non_blocking=True),
             "row view": lambda: rows[7], "empty": lambda: torch.empty(64, dtype=torch.int64, device=device),
-            "tensor + to": lambda: torch.tensor([1, 2, 3], dtype=torch.int32).to(device, non_blocking=True)}
+            "tensor + to": lambda: torch.tensor([1, 2, 3], dtype=torch.int32).to(device, non_blocking=True),
+            # a host op over more than torch's intra-op grain (32K elements) runs on every intra-op thread: 8 ms on a
+            # busy 2-core box against 0.4 on one thread (page_delta.PageCache assembles tables in numpy for this)
+            "cpu full 64K": lambda: torch.full((65536,), -1, dtype=torch.int64)}
 
 
 def time_calls(device: torch.device, n: int, repeats: int = 5) -> dict[str, float]:
