@@ -2,7 +2,8 @@
 # The GPU benchmarks in parts that each fit one device `run` (<= 8 minutes on nvidia-h200-x2), every JSON written
 # under $OUT (what a device call brings back; the benchmarks' default paths stay on the lent machine) and every
 # table printed. On the device machine, source /tmp/site/env.sh first.
-#   bash scripts/gpu_bench.sh decode    # cp_scaling decode cases, 1 and 2 GPUs (issues 18, 22)      ~4 min
+#   bash scripts/gpu_bench.sh decode    # cp_scaling decode cases, 1 and 2 GPUs (issues 18, 22)      ~7 min
+#                                       # (runs of 128 steps: ~3 min a GPU count on nvidia-h200, 2026-12-01)
 #   bash scripts/gpu_bench.sh prefill   # cp_scaling prefill cases, 1 and 2 GPUs (issue 18)          ~5 min
 #   bash scripts/gpu_bench.sh kernels   # Triton decode goals (fp8, window), shared-prefix run, user graphs ~3 min
 # Extra arguments go to cp_scaling (decode, prefill parts).
