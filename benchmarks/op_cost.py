@@ -16,16 +16,13 @@ Per stage and call: microseconds per call (wall time of N calls on the caller's 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import threading
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
+from results_json import base_meta, write_results
 
 STAGES = ("bare", "ray", "service", "run")
 
@@ -118,13 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"{name:>16} " + " ".join(f"{rows[s][name]:9.2f}" for s in STAGES))
     print(f"threads in the client process during the run: {', '.join(threads)}")
-    meta = {"date": date.today().isoformat(), "machine": platform.node(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "calls": n,
+    meta = {**base_meta(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "calls": n,
             "python": sys.version.split()[0], "threads": threads}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "us_per_call": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.json, meta, us_per_call=rows)
     return 0
 
 

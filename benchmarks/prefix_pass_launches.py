@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
+import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # its siblings, also where a test loads it by path
+from results_json import write_results  # noqa: E402
 
 NO_LAUNCH = {"view", "_unsafe_view", "slice", "select", "as_strided", "split", "split_with_sizes", "unbind", "alias",
              "expand", "permute", "unsqueeze", "squeeze", "detach", "t", "transpose", "narrow", "lift_fresh",
@@ -219,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {name}: {row[name]:.1f} us/layer")
     meta = {"host": platform.node(), "device": str(device), "torch": torch.__version__,
             **{k: v for k, v in vars(args).items() if k != "json"}}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.json, meta, rows=rows)
     return 0
 
 

@@ -24,7 +24,6 @@ Prints one table and writes JSON (default benchmarks/results/shared_prefix.json)
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -32,6 +31,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from results_json import write_results
 
 WAYS = ("one", "shared", "separate")
 
@@ -158,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": torch.cuda.get_device_name() if gpu else "none (cpu)", "torch": torch.__version__,
             "ray": ray.__version__, "heads": list(heads), "block_size": args.block_size, "questions": args.questions,
             "prefix_tokens": args.prefix_tokens, "shards": args.gpus}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"\nwrote {out}")
+    print()
+    write_results(args.json, meta, rows=rows)
     return 0
 
 

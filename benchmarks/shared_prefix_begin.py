@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import platform
 import statistics
 import time
 from collections import Counter
-from datetime import date
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from results_json import base_meta, write_results
 
 from shared_prefix_host import _backend, _coordinator
 
@@ -136,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd} {way:>7} B={host['batch']:>3} later steps: host {host['ms']:.3f} ms, device ops "
                   f"{dev['device_ops']:>3} {dict(sorted(dev['ops'].items()))}; a run's first step: host "
                   f"{host['first_ms']:.3f} ms, device ops {dev['first_device_ops']}", flush=True)
-    meta = {"date": date.today().isoformat(), "machine": platform.node(), "torch": torch.__version__,
-            **{k: v for k, v in vars(args).items() if k != "json"}}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.json, {**base_meta(), **{k: v for k, v in vars(args).items() if k != "json"}}, rows=rows)
     return 0
 
 

@@ -19,15 +19,14 @@ Prints one table and writes JSON (default benchmarks/results/shared_prefix_host.
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import platform
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+from results_json import base_meta, write_results
 
 WAYS = ("one", "shared", "separate")
 
@@ -159,12 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(way, args))
         print(_fmt(rows[-1]), flush=True)
     print(f"(shard: the slowest rank's RankRun.plan + ShardLayerRunner.plan; builder: {rows[0]['builder']})")
-    meta = {"date": date.today().isoformat(), "machine": platform.node(), "processor": platform.processor(),
-            "torch": torch.__version__, **{k: v for k, v in vars(args).items() if k not in ("json", "ways")}}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"\nwrote {out}")
+    meta = {**base_meta(), "processor": platform.processor(),
+            **{k: v for k, v in vars(args).items() if k not in ("json", "ways")}}
+    print()
+    write_results(args.json, meta, rows=rows)
     return 0
 
 
