@@ -242,7 +242,6 @@ class Gateway(RunControl, GroupMembership):
         phases.mark("client_graphs")
         return BegunStep(info.step_id, num_tokens, seq_ids, plan_s, wire, phases)
 
-
     def attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None = None
                ) -> torch.Tensor:
         """One layer: broadcast to remote shards, compute the local ones, merge every partial here.

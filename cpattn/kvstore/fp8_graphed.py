@@ -33,19 +33,12 @@ class WrittenPages(NamedTuple):
 
 def written_pages(slots_R: torch.Tensor, page_tokens: int) -> WrittenPages:
     """The per-step half of the growth: fixed shapes (R rows), no host sync."""
-    rows = slots_R.numel()
-    valid = slots_R >= 0
-    first = torch.argmax(valid.to(torch.int32))                          # 0 when no row writes
-    src = torch.where(valid, torch.arange(rows, device=slots_R.device), first)
-    slots = slots_R.index_select(0, src)
-    writes = slots >= 0
-    pages = torch.where(writes, torch.div(slots, page_tokens, rounding_mode="floor"), torch.zeros_like(slots))
-    return WrittenPages(src, pages, writes & (slots % page_tokens == 0), writes)
+    return WrittenPages(*(field[0] for field in written_pages_of_steps(slots_R[None], page_tokens)))
 
 
 def written_pages_of_steps(slots_SR: torch.Tensor, page_tokens: int) -> WrittenPages:
     """written_pages of each row of ``slots_SR`` (a decode run's S steps of R slot rows), at once: row j of each
-    field is written_pages(slots_SR[j]) (the run's steps are copied into the graphs' buffers one row a step)."""
+    field is step j's (a steady run copies them into the graphs' buffers one row a step)."""
     steps, rows = slots_SR.shape
     valid = slots_SR >= 0
     first = torch.argmax(valid.to(torch.int32), dim=1, keepdim=True)                 # [S, 1]: 0 when none writes
