@@ -9,7 +9,8 @@ Two parts, both printed and written to ``--json``:
   does not pay). Per case: begin_s per step (mean over every measured step, as a decode loop pays
   it), split into the steps that start a run (begin_step's round trip) and the run's later steps, each by phase
   (StepRun.timings["begin_parts"]: claim, flush, steady (a steady run's step: its rows into the graphs), run_next,
-  announce, end_run, begin_rpc, tables, local_plans, wire, steady_rows (a run's rows to the device), client_graphs); the whole step's wall time too (a cost moved from opening to attending shows there);
+  announce, end_run, begin_rpc, tables, local_plans, wire, steady_rows (a run's rows to the device), client_graphs,
+  extend (asking for the run's next steps, once per segment)); the whole step's wall time too (a cost moved from opening to attending shows there);
   and a cProfile top-N of ``step.open`` over the measured steps (``--torch-profile``: torch.profiler's too).
 - client: the client's work for a decode run's later steps without Ray (plan_cost's coordinator state owners,
   its begin_step reply pickled as Ray carries it): per step, building the step's plans (decode_run_plans
@@ -45,7 +46,7 @@ import cp_scaling as cp  # noqa: E402  (its cases, shapes and service sizing)
 CASES = ("decode_128k", "decode_1m", "decode_b64_32k", "decode_1m_fp8", "decode_1m_w4096")
 SMOKE_CASES = ("decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke")
 PHASES = ("claim", "flush", "end_run", "begin_rpc", "tables", "steady", "run_next", "announce", "local_plans", "wire",
-          "steady_rows", "client_graphs")
+          "steady_rows", "client_graphs", "extend")
 
 
 def _top(profile: cProfile.Profile, n: int) -> list[dict]:
@@ -135,6 +136,14 @@ def _step(svc, request: dict, layers: int, q, k, v, profile: cProfile.Profile | 
     return step, time.perf_counter() - t0
 
 
+def _at_full_run_boundary(gw, full: int) -> bool:
+    """Between two runs of ``full`` steps, or (decode_run_extend) two segments of one extended run."""
+    run = gw.run
+    if run is None:
+        return gw.run_length >= full
+    return run.segment_start > 0 and run.index == run.segment_start and run.num_steps - run.segment_start >= full
+
+
 def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, torch_profile: bool) -> dict:
     """``warmup`` steps at least, then until a run of decode_run_steps steps has just ended (so the measured steps
     are the steady state a long decode loop reaches: whole runs of the full length), then ``steps`` measured."""
@@ -146,7 +155,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
     request = {s: case.new for s in seqs}
     gw, full = svc.gateway, svc.config.decode_run_steps
     warmed = 0
-    while warmed < warmup or not (gw.run is None and gw.run_length >= full):
+    while warmed < warmup or not _at_full_run_boundary(gw, full):
         if warmed >= warmup + 4 * full:
             raise RuntimeError(f"{case.name}: decode runs never reached {full} steps (run_length {gw.run_length})")
         _step(svc, request, layers, q, k, v)
@@ -179,7 +188,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
     row = {"case": case.name, "batch": case.batch, "context": case.context, "kv_cache_dtype": case.kv,
            "window": case.window, "layers": layers, "warmup_steps": warmed, "steps": steps,
            "run_starts": len(firsts),
-           "decode_run_steps": svc.config.decode_run_steps,
+           "decode_run_steps": svc.config.decode_run_steps, "decode_run_extend": svc.config.decode_run_extend,
            "begin_ms_per_step": 1e3 * statistics.fmean(begins),
            "begin_ms_run_start": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if s) if firsts else None,
            "begin_ms_later": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if not s) if later else None,
@@ -208,7 +217,8 @@ def service_rows(args, case_names: list[str]):
                                args.kv_budget_gb,
                                one_service=args.smoke)
     for p in planned:
-        svc = cpattn.start(ServiceConfig(**{**p.config.model_dump(), "decode_run_steps": args.run_steps}))
+        svc = cpattn.start(ServiceConfig(**{**p.config.model_dump(), "decode_run_steps": args.run_steps,
+                                            "decode_run_extend": not args.no_extend}))
         try:
             for case in p.cases:
                 row = measure_service(svc, case, p.layers, args.warmup, args.steps, args.top, args.torch_profile)
@@ -351,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-runs", type=int, default=4,
                         help="decode runs of the client part (the last one under cProfile, the others timed)")
     parser.add_argument("--kv-budget-gb", type=float, default=96.0)
+    parser.add_argument("--no-extend", action="store_true",
+                        help="decode_run_extend=False: each run ends after its steps, the next begins afresh")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--torch-profile", action="store_true", help="torch.profiler's top ops too (CPU time)")
     parser.add_argument("--only", choices=("service", "client"), help="one part only")

@@ -40,7 +40,9 @@ def runs_svc(ray_session):
 
     from conftest import service_config
 
-    svc = cpattn.start(service_config(num_shards=3, dcp_interleave=2, decode_run_steps=4, block_size=2))
+    # Runs not extended here: these tests count each run's steps (extensions: tests/test_run_extension.py).
+    svc = cpattn.start(service_config(num_shards=3, dcp_interleave=2, decode_run_steps=4, block_size=2,
+                                      decode_run_extend=False))
     yield svc
     svc.shutdown()
 
@@ -122,7 +124,8 @@ def test_idle_run_ends_by_itself(runs_svc):
 
 def test_run_is_shortened_not_refused_when_pages_run_out(start_service):
     # 3 shards x 3 pages x 2 tokens = 18 tokens; a sequence of 16 has room for 2 more: a run of 2, then 1.
-    svc = start_service(num_shards=3, num_blocks_per_shard=3, block_size=2, decode_run_steps=8)
+    svc = start_service(num_shards=3, num_blocks_per_shard=3, block_size=2, decode_run_steps=8,
+                        decode_run_extend=False)
     oracle = Oracle(svc.config, seed=3)
     a = svc.add_sequence()
     run_step(svc, oracle, {a: 16})
@@ -159,7 +162,8 @@ def test_no_run_when_it_would_hold_the_last_shard_thread(start_service):
 
 
 def test_runs_double_while_finished_and_interleave_1(start_service):
-    svc = start_service(num_shards=2, dcp_interleave=1, num_q_heads=4, num_kv_heads=1, decode_run_steps=6)
+    svc = start_service(num_shards=2, dcp_interleave=1, num_q_heads=4, num_kv_heads=1, decode_run_steps=6,
+                        decode_run_extend=False)
     oracle = Oracle(svc.config, seed=21)
     seqs = [svc.add_sequence() for _ in range(3)]
     run_step(svc, oracle, {s: 2 + i for i, s in enumerate(seqs)})

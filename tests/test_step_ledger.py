@@ -61,8 +61,7 @@ def _ledger(journal=None, **overrides):
     cfg = service_config(num_shards=2, num_blocks_per_shard=8, block_size=4, max_open_steps=4, **overrides)
     table = SequenceTable(cfg, journal)
     steps = OpenSteps(cfg.max_open_steps, pending=lambda refs: [])
-    ids = iter(range(1, 10_000))
-    return StepLedger(cfg, table, steps, Metrics(), lambda: next(ids)), Generations()
+    return StepLedger(cfg, table, steps, Metrics(), lambda count=1: steps.new_id(count)[0]), Generations()
 
 
 def test_a_step_is_admitted_opened_and_committed():

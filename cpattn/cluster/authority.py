@@ -60,6 +60,7 @@ COORDINATOR_METHODS: dict[str, Rule] = {
     "sequence_length": Rule(CLIENT, "credential"),
     "begin_step": Rule(CLIENT, "credential"),
     "end_step": Rule(CLIENT, "credential"),
+    "extend_run": Rule(CLIENT, "credential"),
     "fill_synthetic": Rule(CLIENT, "credential"),
     "get_shards": Rule(CLIENT_OR_OPERATOR, "credential"),
     "describe": Rule(CLIENT_OR_OPERATOR, "credential"),
@@ -85,6 +86,7 @@ SHARD_METHODS: dict[str, Rule] = {
     "join_group": Rule(TICKET, "ticket"),
     "leave_group": Rule(TICKET, "ticket"),
     "run_step": Rule(PLAN, "plan"),
+    "extend_run": Rule(PLAN, "plan"),
     "fill_synthetic": Rule(PLAN, "plan"),
 }
 

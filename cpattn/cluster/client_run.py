@@ -25,6 +25,7 @@ from cpattn.cluster.client_graphs import use_client_graphs
 from cpattn.cluster.data_plane import CMD_END, CMD_NEXT
 from cpattn.cluster.messages import EndStepReply, StepPlans
 from cpattn.cluster.rpc import call
+from cpattn.cluster.run_extension import ask_extension, take_extension
 from cpattn.cluster.steady_run import SteadyRun
 from cpattn.errors import InvalidRequestError, ServiceError, ShardLostError
 
@@ -106,7 +107,16 @@ class DecodeRun:
     idle_since: float | None = None
     """When its last step ended; None while one of its steps is open (the RunReaper leaves it alone)."""
     steady: Any = None
-    """cluster/steady_run.SteadyRun once its second step was opened: the later steps it opens without planning."""
+    """cluster/steady_run.SteadyRun once its segment's second step was opened: the later steps it opens without
+    planning."""
+    segment_start: int = 0
+    """The index of the current segment's first step: 0, or where the run's latest extension began."""
+    segment: Any = None
+    """The latest extension's steps (decode_run_plans.RunSteps, step segment_start on); None before one."""
+    extension: Any = None
+    """The ref of the extend_run asked for this segment, read at its last step (cluster/run_extension.py)."""
+    asked: bool = False
+    """This segment's extension was asked for (once per segment)."""
 
     @property
     def first_step_id(self) -> int:
@@ -114,15 +124,28 @@ class DecodeRun:
 
     @property
     def num_steps(self) -> int:
-        return 1 + len(self.later)
+        return self.segment_start + len(self.segment) if self.segment is not None else 1 + len(self.later)
+
+    @property
+    def segment_steps(self):
+        """The current segment's steps as begin_step or extend_run gave them (what a SteadyRun is made of)."""
+        return self.later if self.segment is None else self.segment
 
     def continues(self, request) -> bool:
         return self.index < self.num_steps and list(request.items()) == list(self.request.items())
 
     def next_step(self) -> StepPlans:
-        step = self.later[self.index - 1] if self.index else self.first
+        if self.segment is not None:
+            step = self.segment[self.index - self.segment_start]
+        else:
+            step = self.later[self.index - 1] if self.index else self.first
         self.step_begun()
         return step
+
+    def extend(self, steps) -> None:
+        """The run goes on with ``steps`` (an extension's RunSteps) after its last planned step."""
+        self.segment_start, self.segment = self.num_steps, steps
+        self.steady, self.extension, self.asked = None, None, False
 
     def step_begun(self) -> None:
         """The next step was begun (its plans read, or opened by the steady run)."""
@@ -196,21 +219,25 @@ class RunControl:
 
     def _next_in_run(self, run: DecodeRun, seq_ids: list[str], phases: Phases) -> BegunStep | None:
         """The decode run's next step: opened from the run's rows on the device where its SteadyRun serves it, else
-        from its plans (built when first read); None when its remote shards could not be told (the run ended)."""
-        wire = phases.mark("steady", run.steady.open(run.index, self.local_graphs)) if run.steady is not None else None
+        from its plans (built when first read); None when its remote shards could not be told (the run ended).
+        Halfway through a segment its extension is asked for (cluster/run_extension.py)."""
+        j = run.index - run.segment_start   # the step's index in its segment (a SteadyRun's rows are per segment)
+        wire = phases.mark("steady", run.steady.open(j, self.local_graphs)) if run.steady is not None else None
         if wire is not None:
             run.step_begun()
             if not phases.mark("announce", self._announce(run, wire.step_id)):
                 return None
             use_client_graphs(self.client_graphs, wire, wire.norms)
             phases.mark("client_graphs")
-            return BegunStep(wire.step_id, run.num_tokens, seq_ids, 0.0, wire, phases)
-        step = phases.mark("run_next", run.next_step())
-        if not phases.mark("announce", self._announce(run, step.step_id)):
-            return None
-        begun = self._open(step, run.num_tokens, seq_ids, 0.0, phases)
-        if run.index == 2 and run.steady is None:   # its second step: the template of the later ones
-            run.steady = phases.mark("steady_rows", SteadyRun.of(run.later, begun.wire, self.local_graphs))
+            begun = BegunStep(wire.step_id, run.num_tokens, seq_ids, 0.0, wire, phases)
+        else:
+            step = phases.mark("run_next", run.next_step())
+            if not phases.mark("announce", self._announce(run, step.step_id)):
+                return None
+            begun = self._open(step, run.num_tokens, seq_ids, 0.0, phases)
+            if j == 1 and run.steady is None:   # its segment's second step: the template of the later ones
+                run.steady = phases.mark("steady_rows", SteadyRun.of(run.segment_steps, begun.wire, self.local_graphs))
+        phases.mark("extend", ask_extension(self, run))
         return begun
 
     def _announce(self, run: DecodeRun, step_id: int) -> bool:
@@ -246,6 +273,8 @@ class RunControl:
         """A step's commit, sent without waiting; a run's steps before its last only advance its lengths."""
         run = self.run
         index = run.position(step_id) if run is not None else None
+        if index is not None and index + 1 == run.num_steps:
+            take_extension(self, run)   # its last planned step: it goes on when its extension came
         if index is not None and index + 1 < run.num_steps:
             run.commits.append(self.end_step_async(run.first_step_id, index + 1))
             run.timings.append(timings)
@@ -256,7 +285,9 @@ class RunControl:
             self.run = None   # its last step: the commit ends it (and reads the shards' reports)
             self.run_length = 2 * run.num_steps
             step_id, done, earlier = run.first_step_id, run.num_steps, run.timings
-        self.pending = PendingCommit(step_id, request, replay, timings, self.end_step_async(step_id, done), earlier)
+            self._send_end(run, done)
+        self.pending = PendingCommit(step_id, request, replay, timings,
+                                     self.end_step_async(step_id, done, ends_run=index is not None), earlier)
 
     def read_commit(self, pending: PendingCommit) -> EndStepReply:
         """The answer to a commit sent without waiting; a detached coordinator that restarted meanwhile is asked
@@ -278,6 +309,8 @@ class RunControl:
             index = run.position(step_id) if run is not None else None
             if index is None:
                 return self.end_step(step_id, commit, why)
+            if commit and index + 1 == run.num_steps:
+                take_extension(self, run)
             if commit and index + 1 < run.num_steps:
                 run.step_ended()
                 return self.end_step(run.first_step_id, True, why, index + 1)   # the run goes on
@@ -285,10 +318,14 @@ class RunControl:
             self.run_length = 2 * run.num_steps if commit else FIRST_RUN_STEPS
             call(run.commits, self.config.rpc_timeout_s, "end_step")
             done = index + 1 if commit else index
-            if (shards_waiting and index + 1 < run.num_steps and self.plane is not None
-                    and not self.plane_broken):
-                self.plane.send_run_header(CMD_END, index + 1, step_id + 1, run.num_tokens, self.device)
-            return self.end_step(run.first_step_id, commit, why, done)
+            if shards_waiting:   # after its last step too: they wait for END or NEXT into an extension
+                self._send_end(run, index + 1)
+            return self.end_step(run.first_step_id, commit, why, done, ends_run=True)
+
+    def _send_end(self, run: DecodeRun, index: int) -> None:
+        """END to the run's remote shards, which wait for a run header before its step ``index``."""
+        if self.plane is not None and not self.plane_broken:
+            self.plane.send_run_header(CMD_END, index, run.first_step_id + index, run.num_tokens, self.device)
 
     # One open step per client (the RunReaper's mark is none) ----------------------------------------------------
     def claim(self, step) -> None:

@@ -5,7 +5,7 @@ every caller first). It orchestrates state owners, each tested alone: ClientRegi
 leases), SequenceTable (sequences, pages, growth), OpenSteps (steps, shard threads), StepLedger (a step's
 life on those, and end_step's answers), Generations (epoch, incarnation, the shard secret; the journal's
 meta record), ShardSet (the shard actors) and ShardRecovery (replacing lost shards; each bumps the epoch).
-Its sequence methods are in coordinator_sequences.py. It plans each step once and hands each shard its plan
+Its sequence methods are in coordinator_sequences.py, extend_run in coordinator_runs.py. It plans each step once and hands each shard its plan
 in a single Ray call; per-layer tensors never pass through here.
 """
 
@@ -19,6 +19,7 @@ import ray
 
 from cpattn.cluster import authority, decode_run, generations, step_outcome
 from cpattn.cluster.client_registry import ClientRegistry
+from cpattn.cluster.coordinator_runs import RunExtensionMethods
 from cpattn.cluster.coordinator_sequences import SequenceMethods
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.journal import CoordinatorJournal
@@ -45,7 +46,7 @@ def _still_running(refs: list) -> list:
     return ray.wait(refs, num_returns=len(refs), timeout=0)[1]
 
 
-class Coordinator(SequenceMethods):
+class Coordinator(SequenceMethods, RunExtensionMethods):
     def __init__(self, config: ServiceConfig, backend_registry: dict | None = None,
                  operator_digest: str | None = None):
         self.config = config
@@ -226,15 +227,16 @@ class Coordinator(SequenceMethods):
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
                 raise
-            step, runs = self.ledger.open(admitted, local, self.gen, wire if wire in ("nccl", "gloo") else None)
+            step, runs = self.ledger.open(admitted, local, self.gen, wire if wire in ("nccl", "gloo") else None,
+                                          group_name)
             shards = list(self.shard_set.handles)
         step.refs = [h.run_step.remote(group_name, *decode_run.shard_plans(runs, rank))
                      for rank, h in enumerate(shards) if rank not in local]
         step.plan_s = time.perf_counter() - t0
         return self.ledger.reply(step, admitted.seqs, admitted.request, runs, held, self.gen.epoch)
 
-    def _new_step_id(self) -> int:
-        step_id, reserve = self.steps.new_id()
+    def _new_step_id(self, count: int = 1) -> int:
+        step_id, reserve = self.steps.new_id(count)
         if reserve:
             self._persist_meta()
         return step_id

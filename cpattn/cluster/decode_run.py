@@ -52,6 +52,25 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
     return table.grow_run(seqs, num_steps)
 
 
+def extension_length(table: SequenceTable, step, seqs: list[Sequence], ahead, free_threads: int,
+                     other_clients: int) -> int:
+    """How many steps an open run ``step`` (open_steps.OpenStep) may add after its last planned one: up to
+    ``ahead``, while a thread stays free for each other client (run_length's rule: ``free_threads`` already
+    leaves out the run's own), within
+    its step ids (RUN_ID_SPAN), the cache and the client's quota, counted from the run's planned end."""
+    num_steps = run_length({s.seq_id: 1 for s in seqs}, ahead, free_threads, other_clients)
+    if num_steps == 1:   # not granted (or asked for one step: an extension of one saves nothing)
+        return 0
+    num_steps = min(num_steps, step.id_span - step.num_substeps)
+    for end in step.new_lengths:   # step j of the extension holds end + j + 1 tokens
+        num_steps = min(num_steps, table.capacity_tokens() - end)
+    quota = table.config.max_tokens_per_client
+    if quota is not None and seqs:   # the run's planned tokens count as held
+        planned = sum(s.length for s in table.owned_by(step.client_id)) + (step.num_substeps - step.done) * len(seqs)
+        num_steps = min(num_steps, (quota - planned) // len(seqs))
+    return max(num_steps, 0)
+
+
 def plan_steps(allocator: ShardedKVAllocator, seqs: list[Sequence], lengths: list[int], new_tokens: list[int],
                step_ids: list[int], cfg: ServiceConfig, incarnation: int, secret: str,
                growths: list[Growth], local: tuple[int, ...] = ()) -> list[list[ShardStepPlan]]:

@@ -139,8 +139,8 @@ class Gateway(RunControl, GroupMembership):
             lambda: self.coordinator.end_step.remote(step_id, commit, why, self.credential, done, ends_run),
             cfg.rpc_timeout_s + cfg.start_timeout_s, "end_step", cfg.rpc_timeout_s if cfg.detached else 0.0)
 
-    def end_step_async(self, step_id: int, done: int | None = None):
-        return self.coordinator.end_step.remote(step_id, True, None, self.credential, done)
+    def end_step_async(self, step_id: int, done: int | None = None, ends_run: bool = False):
+        return self.coordinator.end_step.remote(step_id, True, None, self.credential, done, ends_run)
 
     def flush(self, end_run: bool = False, continuing: dict | None = None) -> None:
         """Read the answers to commits sent without waiting; replay or report a step that failed after all.

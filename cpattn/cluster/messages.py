@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cpattn.array_pickle import TensorsAsArrays
 
@@ -91,6 +91,16 @@ class BeginStepReply(StepPlans):
     one table for a whole decode run (its last step's pages)."""
     later: list[StepPlans]
     """A decode run's steps after the first (cluster/decode_run.py); empty for a plain step."""
+
+
+@dataclass
+class RunExtension:
+    """extend_run's answer: a decode run's next steps, after its last planned one (cluster/run_extension.py)."""
+
+    steps: Any
+    """decode_run_plans.RunSteps of the new steps (the client's view: its in-process shards' plans, remote rows)."""
+    local_pages: dict[int, list[Delta]]
+    """The in-process shards' block-table rows for the new steps, as deltas (as BeginStepReply's)."""
 
 
 @dataclass(frozen=True)

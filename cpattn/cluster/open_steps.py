@@ -21,6 +21,12 @@ MAX_OPEN_STEPS_PER_CLIENT = 1
 # Step ids are journalled this far ahead, so a restarted coordinator never reuses one.
 STEP_ID_RESERVE = 1000
 
+RUN_ID_SPAN = 4096
+"""Step ids a decode run holds: its steps are numbered step_id, step_id + 1, ... and an extension (extend_run)
+continues the numbering, so the ids after a run's first are its own (another client's step given one of them
+would meet the run's committed steps in the journal's committed-before-restart check). A run extended this far
+ends; the next begins afresh (once per 4096 steps: nothing next to a step's time)."""
+
 
 @dataclass
 class OpenStep:
@@ -39,6 +45,12 @@ class OpenStep:
     """A decode run (cluster/decode_run.py): the pages of its steps after the first, one Growth each."""
     done: int = 0
     """A decode run: how many of its steps the client committed so far (each adds one token per sequence)."""
+    group_name: str = ""
+    """The client's data-plane group: where the remote shards serve it (an extension goes to the same run)."""
+    id_span: int = 1
+    """Step ids held from step_id on (a decode run: RUN_ID_SPAN; its extensions number their steps within)."""
+    extending: bool = False
+    """A decode run whose extension is being handed to its shards (one at a time: they take them in order)."""
 
     @property
     def num_substeps(self) -> int:
@@ -118,11 +130,12 @@ class OpenSteps:
         """Shard threads no open (or draining) step holds."""
         return self.max_open_steps - len(self.steps) - len(self.draining)
 
-    def new_id(self) -> tuple[int, bool]:
-        """A fresh step id, and whether the journal must now reserve the next ``STEP_ID_RESERVE``."""
+    def new_id(self, count: int = 1) -> tuple[int, bool]:
+        """The first of ``count`` fresh step ids in a row, and whether the journal must now reserve the next
+        ``STEP_ID_RESERVE`` (the ids crossed a multiple of it)."""
         step_id = self.next_step
-        self.next_step += 1
-        return step_id, step_id % STEP_ID_RESERVE == 0
+        self.next_step += count
+        return step_id, (step_id + count - 1) // STEP_ID_RESERVE > (step_id - 1) // STEP_ID_RESERVE
 
     def open(self, step: OpenStep) -> None:
         self.steps[step.step_id] = step

@@ -244,13 +244,11 @@ class SequenceTable:
                 advanced.append(seq)
         self.persist(advanced)
 
-    def undo(self, growth: Growth, seq_ids: list[str], step_id: int | None = None) -> None:
-        """A step that will not commit: its pages return; clients holding them get whole rows again."""
-        for seq_id in seq_ids:
-            seq = self.sequences.get(seq_id)
-            if seq is None:
-                continue
-            if step_id is None or seq.in_step == step_id:
+    def undo(self, growth: Growth, seq_ids: list[str], step_id: int | None = None, release: bool = True) -> None:
+        """A step that will not commit: its pages return, clients holding them get whole rows again (``release``:
+        the sequences leave the step; not for a decode run's extension withdrawn)."""
+        for seq in [s for s in map(self.sequences.get, seq_ids) if s is not None]:
+            if release and (step_id is None or seq.in_step == step_id):
                 seq.in_step = None
             seq.pages_version += 1
         self.allocator.undo(growth)

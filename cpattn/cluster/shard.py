@@ -23,10 +23,11 @@ from cpattn.cluster import authority
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RunSteps, run_auths
 from cpattn.cluster.shard_graphs import ShardStepGraphs
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, CMD_END, CMD_NEXT, DataPlane, partial_tag
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, partial_tag
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.shard_groups import ShardGroups
 from cpattn.cluster.shard_kv import ShardKVPages
+from cpattn.cluster.shard_runs import LiveRuns, ShardRunMethods
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
@@ -38,7 +39,7 @@ from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
 logger = logging.getLogger("cpattn.shard")
 
 
-class ShardWorker(ShardKVPages, ShardGroups):
+class ShardWorker(ShardKVPages, ShardGroups, ShardRunMethods):
     def __init__(self, config: ServiceConfig, bundle_index: int, backend_registry: dict | None = None,
                  secret: str | None = None, ready: bool = True, operator_digest: str | None = None):
         self.config = config
@@ -78,6 +79,7 @@ class ShardWorker(ShardKVPages, ShardGroups):
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
         self._step_graphs: dict[str, ShardStepGraphs] = {}   # per NCCL group: whole decode steps (shard_graphs)
+        self._live_runs = LiveRuns()   # per group: the decode run its thread serves (extensions join it)
         self._admitted: dict[str, float] = {}   # ticket -> when it expires (a ticket joins once)
         self._ended: dict[str, float] = {}      # client id -> when it ended (its older tickets are void)
         self._joining: dict[str, int] = {}      # client id -> joins whose handshake is still running
@@ -156,7 +158,9 @@ class ShardWorker(ShardKVPages, ShardGroups):
 
         ``later``: the next steps of a decode run (cluster/decode_run.py), each served after the client's run
         header says NEXT (planned before that header arrives, so its first layer starts at once); END stops. A
-        run planned at once comes whole as ``plan`` (RunSteps: each step's plan built as it is reached)."""
+        run planned at once comes whole as ``plan`` (RunSteps: each step's plan built as it is reached). A run's
+        extensions join it while it runs (extend_run, shard_runs.py); after its last step one more header says
+        END or NEXT into the extension its client took."""
         plane = self._groups.get(group_name)
         if plane is None:
             raise CpattnError(f"shard {self.bundle_index}: not in data-plane group {group_name!r}")
@@ -167,41 +171,15 @@ class ShardWorker(ShardKVPages, ShardGroups):
             self._graphs[group_name] = self.runner.new_graphs()
             if self._graphs[group_name] is not None and ShardStepGraphs.supported(plane, self.runner):
                 self._step_graphs[group_name] = ShardStepGraphs(plane, self.runner)
-        step_graphs = self._step_graphs.get(group_name)
-        timings = {"plan_s": 0.0, "attention_s": 0.0, "wire_s": 0.0, "layers": 0, "steps": 0}
         steps = iter(plan) if isinstance(plan, RunSteps) else itertools.chain([plan], later)   # built as reached
-        for index in itertools.count():
-            t0 = time.perf_counter()
-            step_plan = next(steps, None)
-            if step_plan is None:
-                break
-            if not self._fence.admits(step_plan.incarnation):   # not fenced by a restarted coordinator
-                return ShardStepReport.of(self._refuse_fenced(plane, step_plan, timings))
-            planned = self.runner.plan(step_plan, self._graphs[group_name], compact=step_plan.selected)
-            timings["plan_s"] += time.perf_counter() - t0
-            try:
-                if index and not self._next_in_run(plane, index, step_plan):
-                    return ShardStepReport(**dict(timings, outcome="ended"))
-                timings = self._serve_layers(plane, planned, timings, step_graphs)
-            except RuntimeError as exc:
-                # The group broke (a peer died or timed out): report it as data, the coordinator decides.
-                return ShardStepReport(**dict(timings, outcome="broken", error=f"{type(exc).__name__}: {exc}"))
-            finally:
-                self._fence.leave()   # fencing: this thread writes no more
-            if timings["outcome"] != "served":
-                return ShardStepReport.of(timings)
-            timings["steps"] += 1
-        return ShardStepReport.of(timings)
-
-    def _next_in_run(self, plane: DataPlane, index: int, plan: ShardStepPlan) -> bool:
-        """Wait for the run header before a run's step ``index``: True for NEXT, False for END."""
-        command, got_index, step_id, num_tokens = plane.recv_run_header(self.device)
-        if command == CMD_END:
-            return False
-        if command != CMD_NEXT or (got_index, step_id, num_tokens) != (index, plan.step_id, plan.num_tokens):
-            raise CpattnError(f"shard {self.bundle_index}: unexpected run header {(command, got_index, step_id, num_tokens)}"
-                              f" before step {plan.step_id} ({index} of its run, {plan.num_tokens} tokens)")
-        return True
+        if not (len(plan) > 1 if isinstance(plan, RunSteps) else later):
+            return self._serve_run(plane, group_name, None, steps)
+        first = plan.ranks[0].step_ids[plan.start] if isinstance(plan, RunSteps) else plan.step_id
+        run = self._live_runs.start(group_name, first, steps)
+        try:
+            return self._serve_run(plane, group_name, run, steps)
+        finally:
+            self._live_runs.finish(group_name, run)
 
     def _serve_layers_ahead(self, plane: DataPlane, planned: PlannedStep, timings: dict,
                             step_graphs: ShardStepGraphs | None = None) -> dict:

@@ -12,15 +12,17 @@ import time
 from dataclasses import dataclass
 
 from cpattn.cluster import decode_run, step_outcome
+from cpattn.cluster.decode_run_plans import RunPlans, plan_decode_run
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.messages import BeginStepReply, EndStepReply
 from cpattn.cluster.metrics import ServiceMetrics
-from cpattn.cluster.open_steps import OpenStep, OpenSteps, check_step_size
+from cpattn.cluster.open_steps import RUN_ID_SPAN, OpenStep, OpenSteps, check_step_size
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
-from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step
+from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step, table_gatherer
 from cpattn.cluster.wire_select import select_wire
 from cpattn.config import ServiceConfig
 from cpattn.errors import InvalidRequestError, ShardLostError
+from cpattn.kvstore.run_growth import grow_decode_run
 from cpattn.kvstore.sharded_allocator import Growth
 
 
@@ -58,14 +60,16 @@ class StepLedger:
         growth = self.table.grow(seqs, [s.length + t for s, t in zip(seqs, request.values())])   # raises first
         return Admitted(client_id, seqs, request, num_steps, growth)
 
-    def open(self, step: Admitted, local: tuple[int, ...], gen: Generations, wire: str | None = None
-             ) -> tuple[OpenStep, list[list]]:
+    def open(self, step: Admitted, local: tuple[int, ...], gen: Generations, wire: str | None = None,
+             group_name: str = "") -> tuple[OpenStep, list[list]]:
         """Grow a run's later steps, plan every step once, and hold the step open: (the step, each step's
         plans per rank). Every growth is undone if planning fails. ``wire``: the client's data-plane backend
         (what a prefill step's layers cost it: cluster/wire_select.py)."""
         seqs, new_tokens = step.seqs, list(step.request.values())
         later_growths = decode_run.grow_run(self.table, step.client_id, seqs, step.num_steps)
-        step_ids = [self._new_step_id() for _ in range(1 + len(later_growths))]
+        span = RUN_ID_SPAN if later_growths else 1   # a run's extensions number their steps after its own
+        first_id = self._new_step_id(span)
+        step_ids = list(range(first_id, first_id + 1 + len(later_growths)))
         lengths = [s.length for s in seqs]
         try:
             runs = decode_run.plan_steps(self.table.allocator, seqs, lengths, new_tokens, step_ids, self.config,
@@ -82,9 +86,45 @@ class StepLedger:
         self.table.begin(seqs, step_ids[0])
         new_lengths = [n + t + len(later_growths) for n, t in zip(lengths, new_tokens)]
         opened = OpenStep(step_ids[0], step.client_id, [s.seq_id for s in seqs], new_lengths, step.growth,
-                          runs[0][0].num_tokens, gen.epoch, local, later_growths=later_growths)
+                          runs[0][0].num_tokens, gen.epoch, local, later_growths=later_growths,
+                          group_name=group_name, id_span=span)
         self.steps.open(opened)
         return opened, runs
+
+    # A decode run extended while it runs (cluster/run_extension.py) -------------------------------------------
+    def extend(self, step: OpenStep, ahead, gen: Generations, num_clients: int) -> tuple[list[Growth], RunPlans] | None:
+        """Up to ``ahead`` more steps of the run ``step``, after its last planned one: their pages grown and every
+        rank's plans, the step's lengths and growths extended (its close undoes them as its own); None when not
+        granted (nothing changed): another epoch, a sequence gone, no thread to spare, no room, a copy on write."""
+        seqs = [self.table.sequences.get(seq_id) for seq_id in step.seq_ids]
+        if gen.epoch != step.epoch or step.num_substeps == 1 or any(s is None for s in seqs):
+            return None
+        num_steps = decode_run.extension_length(self.table, step, seqs, ahead, self.steps.free_threads(),
+                                                num_clients - 1)
+        ends = list(step.new_lengths)
+        growths = grow_decode_run(self.table.allocator, [s.rows for s in seqs], ends, num_steps, first_step=0)
+        if not growths or any(g.copies for g in growths):   # a run's own pages are never shared: refuse, not copy
+            self._undo_pages(step, growths)
+            return None
+        first_id = step.step_id + step.num_substeps
+        gather = table_gatherer(self.table.allocator, [s.rows for s in seqs], {})
+        cfg = self.config
+        plans = plan_decode_run(self.table.allocator, [s.rows for s in seqs], ends,
+                                list(range(first_id, first_id + len(growths))), gather, gen.incarnation,
+                                gen.shard_secret, cfg.row_window(), None, cfg.pcp_enabled, cfg.pcp_min_tokens)
+        step.later_growths.extend(growths)
+        step.new_lengths = [n + len(growths) for n in ends]
+        return growths, plans
+
+    def withdraw(self, step: OpenStep, growths: list[Growth]) -> None:
+        """An extension its shards did not all take: its steps leave the run, their pages return."""
+        del step.later_growths[len(step.later_growths) - len(growths):]
+        step.new_lengths = [n - len(growths) for n in step.new_lengths]
+        self._undo_pages(step, growths)
+
+    def _undo_pages(self, step: OpenStep, growths: list[Growth]) -> None:
+        for growth in reversed(growths):
+            self.table.undo(growth, step.seq_ids, release=False)   # the sequences stay in the run
 
     def reply(self, step: OpenStep, seqs: list[Sequence], request: dict[str, int], runs: list[list[ShardStepPlan]],
               held, epoch: int) -> BeginStepReply:

@@ -1,7 +1,8 @@
 """Steady decode steps through the service on one GPU (cluster/steady_run.py): a long decode loop, most of whose
 steps open from their run's rows on the device, stays exact against the float64 oracle every step and layer, with
 bf16 and dynamic fp8 caches, DCP interleave 1 and 16, kv_replicas 1 and 2, sliding windows, a mixed step in the
-middle (the run ends; the next one is steady again), and contexts that cross a KV-split bucket."""
+middle (the run ends; the next one is steady again), and contexts that cross a KV-split bucket; each run goes on
+in extensions (decode_run_extend), whose block tables come as deltas to the in-process shards."""
 
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
         # a: 2030 keys, ~1015 a shard: the decodes cross 1024 keys on each (another split count: a planned step)
         decode = {a: 1, b: 1, c: 1}
         steps = [{a: 1000, b: 200}, {a: 1030, b: 17, c: 130}] + [decode] * 24 + [{a: 1, b: 30, c: 1}] + [decode] * 20
-        steady = 0
+        steady = starts = 0
         for n, request in enumerate(steps):
             step = relative_step(svc, oracle, request, bound, f"{kv} I={interleave} r{replicas} W={window} step {n}")
             parts = step.timings["begin_parts"]
             steady += "steady" in parts and "run_next" not in parts   # opened from the run's rows
+            starts += "begin_rpc" in parts
         # runs of 4, 8 and 12 of 16, then (after the mixed step) 4, 8 and 8 of 16: all but each run's first two
         # steps (32), less a step per split bucket crossed
         assert steady >= 28, steady
+        # One begin_step per run: its segments (4, 8, 16 steps) are extensions, their tables deltas (run_extension.py)
+        assert starts == 5, starts   # the two prefills, the first decode, the mixed step, the decode after it
     finally:
         svc.shutdown()

@@ -1,0 +1,56 @@
+"""A decode run extended while it runs, the client's side (the coordinator's: coordinator_runs.py; the shards':
+shard_runs.py).
+
+Halfway through each segment of its run (the steps begin_step gave, then each extension's), the client asks
+for the next segment without waiting: ``extend_run`` with twice the segment's steps, up to decode_run_steps.
+At the segment's last step, before committing it, it reads the answer (asked tens of steps earlier, so it is
+there): with steps, the run goes on with them (its block tables from the answer's deltas, its steady rows
+rebuilt from the new segment's second step); without (not granted, or the coordinator was slow), the run ends
+there as it would have, END to its remote shards.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from cpattn.cluster.decode_run_plans import use_block_tables
+from cpattn.cluster.rpc import call
+from cpattn.errors import CpattnError
+
+if TYPE_CHECKING:
+    from cpattn.cluster.client_run import DecodeRun
+
+logger = logging.getLogger("cpattn")
+
+
+def ask_extension(gateway, run: DecodeRun) -> None:
+    """After a step of ``run`` began: ask for its next segment once this one is half begun (one ask each)."""
+    cfg = gateway.config
+    segment = run.num_steps - run.segment_start
+    if run.asked or not cfg.decode_run_extend or run.index - run.segment_start < segment // 2:
+        return
+    run.asked = True
+    held = gateway.pages.held(list(run.request), sorted(gateway.local)) if gateway.local else None
+    ahead = min(cfg.decode_run_steps, 2 * segment)
+    run.extension = gateway.coordinator.extend_run.remote(gateway.credential, run.first_step_id, ahead, held)
+
+
+def take_extension(gateway, run: DecodeRun) -> bool:
+    """At ``run``'s last planned step: True when its extension came and the run now goes on with it."""
+    ref, run.extension = run.extension, None
+    if ref is None:
+        return False
+    try:
+        extension = call(ref, gateway.config.rpc_timeout_s, "extend_run")
+    except CpattnError as exc:   # the run ends at its planned end; its commit ends what the coordinator added
+        logger.warning("decode run %d: its extension did not come (%s); the next step begins a new run",
+                       run.first_step_id, exc)
+        return False
+    if extension is None:
+        return False
+    seq_ids = list(run.request)
+    tables = {r: gateway.pages.apply(r, seq_ids, deltas) for r, deltas in extension.local_pages.items()}
+    use_block_tables(extension.steps, tables)
+    run.extend(extension.steps)
+    return True
