@@ -125,6 +125,8 @@ def _blocks_per_shard(case: Case, gpus: int, repeats: int) -> int:
 from cpattn.config import ServiceConfig  # noqa: E402  (pydantic only)
 
 RUN_STEPS = ServiceConfig.model_fields["decode_run_steps"].default
+RUN_EXTEND = True
+"""decode_run_extend of the services (``--no-extend``: False, each run ends after RUN_STEPS and the next begins)."""
 """ServiceConfig.decode_run_steps of every service here: the default (8 under --smoke)."""
 
 
@@ -247,7 +249,7 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
                                    kv_cache_dtype=group[0].kv, sliding_window=group[0].window,
                                    prefill_wire=prefill_wire, pcp_wire_flops_per_byte=wire_flops,
-                                   decode_run_steps=RUN_STEPS)
+                                   decode_run_steps=RUN_STEPS, decode_run_extend=RUN_EXTEND)
         planned.append(Planned(gpus, group, layers, backends, cfg))
     return planned
 
@@ -300,7 +302,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         seqs = [svc.add_sequence() for _ in range(case.batch)]
         for i, s in enumerate(seqs):
             svc.fill_synthetic(s, case.context, seed=i)
-    walls, plans, begins, sent, starts = [], [], [], [], 0
+    walls, timings, begins, sent, starts = [], [], [], [], 0
     assert svc.config.decode_run_steps == RUN_STEPS, "steps_of counts runs of RUN_STEPS"
     warm, measured = steps_of(case, repeats)
     for rep in range(warm + measured):
@@ -315,7 +317,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
         wall = time.perf_counter() - t0
         sent.append(step.timings["sent_bytes"])
         if rep >= warm:   # a warm-up step's opening compiles and captures, a short run's plans more often
-            plans.append(step.timings["plan_s"])   # a decode run's first step carries its steps' plans
+            timings.append(step.timings)   # its plan_s is complete once its run ended (the shards report per run)
             walls.append(wall)
             begins.append(step.timings["begin_s"])
             starts += "begin_rpc" in step.timings.get("begin_parts", {})   # this step asked the coordinator
@@ -323,6 +325,8 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             for s in seqs:
                 svc.free(s)
     gw = svc.gateway
+    gw.flush(end_run=True)   # the run ends: its shards' plans are shared out over its steps' timings (in place)
+    plans = [t["plan_s"] for t in timings]
     # The mean, not the median: a decode run's first step carries the plan of all its steps (decode_run_steps),
     # and the mean charges it to every step as a decode loop pays it.
     wall = statistics.fmean(walls)
@@ -332,6 +336,7 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
             "step_ms_median": 1e3 * statistics.median(walls), "decode_run_steps": svc.config.decode_run_steps,
+            "decode_run_extend": svc.config.decode_run_extend,
             "warmup_steps": warm, "measured_steps": len(walls), "measured_begin_step_calls": starts,
             "plan_ms_per_step": 1e3 * statistics.fmean(plans),
             # The caller's wall time to open a step (issue 18's "plan on the client's path"): the run's begin_step
@@ -366,11 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pcp-wire-flops-per-byte", type=float, default=3000.0,
                         help="ServiceConfig.pcp_wire_flops_per_byte: how much smaller a remote shard's causal share "
                              "of a prefill is (0: equal shares)")
+    parser.add_argument("--no-extend", action="store_true",
+                        help="decode_run_extend=False: a decode run ends after its steps and the next one begins with "
+                             "a begin_step (what a run's start costs a step, with extensions hidden)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (TORCH backend, gloo), 1 and 2 shards, 2 layers: checks that "
                              "every path of the benchmark still runs (the test suite runs it)")
     args = parser.parse_args(argv)
     import ray
+
+    global RUN_EXTEND
+    RUN_EXTEND = not args.no_extend
 
     if args.smoke:
         use_smoke_shapes()

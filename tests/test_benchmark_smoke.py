@@ -33,9 +33,10 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
-        if r["case"].startswith("decode"):   # steady decode runs: whole runs of the service's, one begin_step each
+        if r["case"].startswith("decode"):   # whole segments of one extended run: no begin_step while measured
             n = r["decode_run_steps"]
-            assert n == 8 and r["measured_steps"] % n == 0 and r["measured_begin_step_calls"] == r["measured_steps"] // n, r
+            assert n == 8 and r["measured_steps"] % n == 0 and r["measured_begin_step_calls"] == 0, r
+            assert r["decode_run_extend"] is True, r
 
 
 def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
@@ -110,8 +111,9 @@ def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
 
 def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
     """benchmarks/profile_begin.py (issue 18: where opening a decode step spends the caller's time) runs as
-    printed: the service's measured steps are whole runs' (a run's first asks the coordinator, the rest do not), their
-    phases add up to begin_s, and the client part times a run's later steps without Ray."""
+    printed: the service's measured steps are whole segments of one extended run (none asks the coordinator; each
+    segment asks for its extension), their phases add up to begin_s, and the client part times a run's later steps
+    without Ray."""
     out = tmp_path / "profile_begin.json"
     proc = subprocess.run([sys.executable, "benchmarks/profile_begin.py", "--smoke", "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -120,14 +122,14 @@ def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
     cases = {"decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke"}
     assert {r["case"] for r in result["service"]} == {r["case"] for r in result["client"]} == cases
     for r in result["service"]:
-        assert r["steps"] == 8 and r["run_starts"] == 2, r   # decode_run_steps 4 (--smoke): two whole runs
-        assert 0 < r["begin_ms_later"] < r["begin_ms_run_start"] and r["begin_ms_per_step"] < r["step_ms"], r
+        assert r["steps"] == 8 and r["run_starts"] == 0 and r["decode_run_extend"], r   # two segments of 4, one run
+        assert r["begin_ms_run_start"] is None and 0 < r["begin_ms_later"] < r["step_ms"], r
         phases = r["phases_ms_per_step"]
         assert math.isclose(phases["claim"] + phases["flush"] + phases["begin"], r["begin_ms_per_step"],
                             rel_tol=0.05, abs_tol=0.01), r
         host = sum(v for k, v in phases.items() if k not in ("claim", "flush", "begin"))
         assert 0 < host <= phases["begin"] * 1.001 + 0.001, r   # the host's parts lie within its begin
-        assert "begin_rpc" in r["phases_ms_run_start"] and "begin_rpc" not in r["phases_ms_later"], r
+        assert "begin_rpc" not in r["phases_ms_later"] and "extend" in r["phases_ms_later"], r
         assert "run_next" in r["phases_ms_later"] and r["cprofile_open"] and r["end_ms_per_step"] > 0, r
         assert set(r["gc_ms_per_open"]) == {"0", "1", "2"} and r["torch_profile_open"], r
     for r in result["client"]:

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from cpattn.cluster import decode_run  # noqa: E402
 from cpattn.cluster.decode_graphs import DecodeGraphs  # noqa: E402
-from cpattn.cluster.decode_run_plans import use_block_tables  # noqa: E402
+from cpattn.cluster.decode_run_plans import RunSteps, client_step, use_block_tables  # noqa: E402
 from cpattn.cluster.gateway import StepWire  # noqa: E402
 from cpattn.cluster.steady_run import SteadyRun  # noqa: E402
 from test_decode_host_refill import _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401
@@ -58,6 +58,32 @@ def test_steady_steps_fill_the_buffers_planning_fills(seed, shards, local, inter
     _open_planned(first, runners, graphs)
     template = _open_planned(later[0], runners, graphs)
     steady = SteadyRun.of(later, template, graphs)
+    served = _check_steady(runs, lambda j: later[j - 1], template, steady, runners, graphs,
+                           (seed, shards, local, replicas, kv, window))
+    if seed % 2:   # long sequences: a bucket serves most of the run (splits change a few times at most)
+        assert served >= len(runs) - 2 - 4, (seed, served, len(runs))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_extension_opens_steady_as_a_run_does(seed):
+    """An extension's steps come as RunSteps from their first (start 0: coordinator_runs.extend_run), step j of the
+    segment its j-th: its second step is the template and its later steps fill the buffers as planning does."""
+    runs, _, _, runners, graphs = _case(seed, 3, (0, 2), 16, 1, "fp8_e4m3", 1000)
+    ext = RunSteps(client_step, [r.for_client() for r in runs.ranks], 0, (0, 2))
+    use_block_tables(ext, {r: runs.ranks[r].table for r in (0, 2)})
+    _open_planned(ext[0], runners, graphs)
+    template = _open_planned(ext[1], runners, graphs)
+    steady = SteadyRun.of(ext, template, graphs)
+    served = _check_steady(runs, lambda j: ext[j], template, steady, runners, graphs,
+                           (seed, 3, (0, 2), 1, "fp8_e4m3", 1000))
+    if seed % 2:   # long sequences, every shard computing every row: most of the segment is served
+        assert served >= len(runs) - 2 - 4, (seed, served, len(runs))
+
+
+def _check_steady(runs, step_of, template, steady, runners, graphs, case) -> int:
+    """Steps 2.. of ``runs`` (``step_of(j)``: the client's step j) opened by ``steady`` where it serves them, else
+    planned; each served one's buffers are the planned path's. Returns how many were served."""
+    seed, shards, local, replicas, kv, window = case
     planned = {r: _runner(shards, replicas, kv, window) for r in local}
     planned_graphs = {r: DecodeGraphs(p) for r, p in planned.items()}
     captured = {r: g.key for r, g in graphs.items()}   # the fast graphs' bucket (a planned step recaptures)
@@ -80,17 +106,17 @@ def test_steady_steps_fill_the_buffers_planning_fills(seed, shards, local, inter
         # served exactly when every shard computes every row and every in-process bucket is the captured one
         assert (wire is not None) == (steady is not None and in_bucket and every_row), (seed, j)
         if wire is None:   # planned, as the gateway then does (capturing the step's bucket)
-            _open_planned(later[j - 1], runners, graphs)
+            _open_planned(step_of(j), runners, graphs)
             captured = {r: g.key for r, g in graphs.items()}
             continue
         served += 1
-        assert wire.step_id == j and wire.local is template.local and wire.broken == [] and wire.graphs is None
+        assert wire.step_id == runs.ranks[0].step_ids[j] and wire.local is template.local and wire.broken == []
+        assert wire.graphs is None
         for r in local:
             got = _buffers(graphs[r], want[r]["table"].shape[1])
             for name in want[r]:
                 assert torch.equal(got[name], want[r][name]), (seed, r, j, name)
-    if seed % 2:   # long sequences: a bucket serves most of the run (splits change a few times at most)
-        assert served >= len(runs) - 2 - 4, (seed, served, len(runs))
+    return served
 
 
 def test_nothing_is_served_after_the_graphs_changed():

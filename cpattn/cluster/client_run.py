@@ -323,9 +323,15 @@ class RunControl:
             return self.end_step(run.first_step_id, commit, why, done, ends_run=True)
 
     def _send_end(self, run: DecodeRun, index: int) -> None:
-        """END to the run's remote shards, which wait for a run header before its step ``index``."""
+        """END to the run's remote shards, which wait for a run header before its step ``index``. A group broken
+        since (a shard died after the step's last layer) is left to the commit: the coordinator finds the shard's
+        report broken or its actor gone and answers as for any step that failed."""
         if self.plane is not None and not self.plane_broken:
-            self.plane.send_run_header(CMD_END, index, run.first_step_id + index, run.num_tokens, self.device)
+            try:
+                self.plane.send_run_header(CMD_END, index, run.first_step_id + index, run.num_tokens, self.device)
+            except RuntimeError as exc:   # gloo: the peer is gone
+                logger.warning("decode run %d: END not sent (%s)", run.first_step_id, exc)
+                self.plane_broken = True
 
     # One open step per client (the RunReaper's mark is none) ----------------------------------------------------
     def claim(self, step) -> None:
