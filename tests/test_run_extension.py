@@ -171,6 +171,28 @@ def test_a_run_left_with_its_extension_asked_gives_every_page_back(ext_svc):
     check_state(svc, oracle, [a, b])
 
 
+def test_an_extension_not_there_in_time_is_left_and_undone(ext_svc):
+    import ray
+
+    @ray.remote
+    def late():
+        time.sleep(5)
+
+    svc = ext_svc
+    oracle = Oracle(svc.config, seed=47)
+    a = svc.add_sequence()
+    run_step(svc, oracle, {a: 3})
+    _decode(svc, oracle, [a], 3)   # the 4-step run's extension was asked at its second step
+    run = svc.gateway.run
+    assert ray.get(run.extension, timeout=30) is not None   # granted: the coordinator and the shards hold 4 more
+    run.extension = late.remote()   # ... but as if its answer were late
+    _decode(svc, oracle, [a], 1)    # the run's last step: it ends there, its commit undoes the extension
+    assert svc.gateway.run is None
+    check_state(svc, oracle, [a])
+    _decode(svc, oracle, [a], 6)
+    check_state(svc, oracle, [a])
+
+
 def test_errors_in_an_extended_step_roll_back_that_step_only(ext_svc):
     svc = ext_svc
     oracle = Oracle(svc.config, seed=37)

@@ -5,14 +5,17 @@ Halfway through each segment of its run (the steps begin_step gave, then each ex
 for the next segment without waiting: ``extend_run`` with twice the segment's steps, up to decode_run_steps.
 At the segment's last step, before committing it, it reads the answer (asked tens of steps earlier, so it is
 there): with steps, the run goes on with them (its block tables from the answer's deltas, its steady rows
-rebuilt from the new segment's second step); without (not granted, or the coordinator was slow), the run ends
-there as it would have, END to its remote shards.
+rebuilt from the new segment's second step); without (not granted, or not there within EXTENSION_WAIT_S), the run
+ends there as it would have, END to its remote shards, and the coordinator undoes what it added when the run's last
+commit says it ends.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
+
+import ray
 
 from cpattn.cluster.decode_run_plans import use_block_tables
 from cpattn.cluster.rpc import call
@@ -36,10 +39,16 @@ def ask_extension(gateway, run: DecodeRun) -> None:
     run.extension = gateway.coordinator.extend_run.remote(gateway.credential, run.first_step_id, ahead, held)
 
 
+EXTENSION_WAIT_S = 0.05
+"""How long the run's last step waits for an extension not there yet (asked half a run earlier: a coordinator busy
+planning others' steps), before the run ends as without one: about what the begin_step it saves would cost."""
+
+
 def take_extension(gateway, run: DecodeRun) -> bool:
-    """At ``run``'s last planned step: True when its extension came and the run now goes on with it."""
+    """At ``run``'s last planned step: True when its extension came and the run now goes on with it. One that has
+    not come within EXTENSION_WAIT_S is left: the run's commit ends what the coordinator adds (ends_run)."""
     ref, run.extension = run.extension, None
-    if ref is None:
+    if ref is None or not ray.wait([ref], timeout=EXTENSION_WAIT_S)[0]:
         return False
     try:
         extension = call(ref, gateway.config.rpc_timeout_s, "extend_run")
