@@ -70,6 +70,21 @@ def test_a_withdrawn_extension_gives_its_pages_back_and_keeps_the_run():
     assert ledger.table.get("a").in_step == step.step_id and ledger.table.get("a").pages_version > version
 
 
+def test_an_extension_whose_planning_fails_gives_its_pages_back(monkeypatch):
+    from cpattn.cluster import step_ledger
+
+    ledger, gen = _ledger()
+    step = _open_run(ledger, gen, seqs=("a", "b"))
+    before = ledger.table.blocks_used()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner broke")
+    monkeypatch.setattr(step_ledger, "plan_decode_run", broken)
+    with pytest.raises(RuntimeError, match="planner broke"):
+        ledger.extend(step, 16, gen, 1)
+    assert ledger.table.blocks_used() == before and step.num_substeps == 4 and step.new_lengths == [4, 4]
+
+
 def test_an_extension_is_refused_without_room_threads_or_its_epoch():
     ledger, gen = _ledger(max_tokens_per_client=10)
     step = _open_run(ledger, gen)

@@ -4,7 +4,9 @@ A run (cluster/decode_run.py) is granted to a decode-only step; its next steps a
 asks for the same thing (same sequences, in the same order, one token each). Each step of the run is
 committed as any step is (its answer read later); before each step after the first the remote shards get a
 run header (NEXT), and a run the client leaves early (another request, freeing one of its sequences, close)
-gets END, then a waited ``end_step(done=n)`` that keeps the n steps run and gives back the other pages.
+gets END, then a waited ``end_step(done=n)`` that keeps the n steps run and gives back the other pages. Halfway
+through, a run asks for its next steps (cluster/run_extension.py); after its last step the shards get NEXT into
+them, or END when none came.
 
 A remote shard waits for the next run header between steps, holding a thread; so a run left idle ends by
 itself (RunReaper) well before that wait could reach the data plane's timeout.

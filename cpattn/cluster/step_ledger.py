@@ -109,9 +109,13 @@ class StepLedger:
         first_id = step.step_id + step.num_substeps
         gather = table_gatherer(self.table.allocator, [s.rows for s in seqs], {})
         cfg = self.config
-        plans = plan_decode_run(self.table.allocator, [s.rows for s in seqs], ends,
-                                list(range(first_id, first_id + len(growths))), gather, gen.incarnation,
-                                gen.shard_secret, cfg.row_window(), None, cfg.pcp_enabled, cfg.pcp_min_tokens)
+        try:
+            plans = plan_decode_run(self.table.allocator, [s.rows for s in seqs], ends,
+                                    list(range(first_id, first_id + len(growths))), gather, gen.incarnation,
+                                    gen.shard_secret, cfg.row_window(), None, cfg.pcp_enabled, cfg.pcp_min_tokens)
+        except BaseException:
+            self._undo_pages(step, growths)
+            raise
         step.later_growths.extend(growths)
         step.new_lengths = [n + len(growths) for n in ends]
         return growths, plans
