@@ -27,7 +27,8 @@ from test_step_ledger import Metrics
 
 
 def _ledger(**overrides):
-    cfg = service_config(num_shards=2, num_blocks_per_shard=8, block_size=4, max_open_steps=4, **overrides)
+    cfg = service_config(**{"num_shards": 2, "num_blocks_per_shard": 8, "block_size": 4, "max_open_steps": 4,
+                            **overrides})
     steps = OpenSteps(cfg.max_open_steps, pending=lambda refs: [])
     return StepLedger(cfg, SequenceTable(cfg), steps, Metrics(), lambda count=1: steps.new_id(count)[0]), Generations()
 
@@ -119,6 +120,42 @@ def test_another_clients_step_ids_are_never_inside_a_run():
     growths, plans = ledger.extend(run, 256, gen, 2)
     assert len(growths) == 8 and plans.ranks[0].step_ids[-1] == run.step_id + 11
     assert ledger.extend(run, 256, gen, 2) is None
+
+
+def test_the_clients_tables_after_an_extension_are_the_runs_whole_tables():
+    """The in-process shards' block tables travel as deltas (page_delta.py): after the extension's deltas the client's
+    tables are the coordinator's, pages for every step of the extension, each step's plan reading them."""
+    from cpattn.cluster.client_run import DecodeRun
+    from cpattn.cluster.coordinator_runs import extension_reply
+    from cpattn.cluster.decode_run_plans import use_block_tables
+    from cpattn.cluster.page_delta import PageCache
+    from cpattn.cluster.run_extension import adopt_extension
+
+    ledger, gen = _ledger(num_shards=3, block_size=2, num_blocks_per_shard=64, dcp_interleave=1)
+    seqs = [ledger.table.add("c-1", s) for s in ("a", "b", "c")]
+    for seq, n in zip(seqs, (5, 17, 30)):   # committed lengths: partly filled pages
+        ledger.table.grow([seq], [n])
+        seq.length = n
+    admitted = ledger.admit("c-1", {"a": 1, "b": 1, "c": 1}, 4, 1)
+    step, runs = ledger.open(admitted, (0, 2), gen, group_name="c-1-g")
+    reply = ledger.reply(step, admitted.seqs, admitted.request, runs, None, gen.epoch)
+    pages = PageCache()
+    tables = {r: pages.apply(r, reply.seq_ids, reply.local_pages[r]) for r in (0, 2)}
+    use_block_tables(reply.later, tables)
+    run = DecodeRun(dict(admitted.request), reply, reply.later, reply.num_tokens, index=4)
+    for _ in range(2):   # two extensions, one after the other
+        growths, plans = ledger.extend(step, 8, gen, 1)
+        extension = extension_reply(ledger.table, step, plans, pages.held(reply.seq_ids, [0, 2]))
+        assert all(start > 0 for r in (0, 2) for _v, start, _p in extension.local_pages[r])   # only the new pages
+        adopt_extension(pages, run, extension)
+        for r in (0, 2):
+            whole = plans.ranks[r].table
+            for j in range(len(growths)):
+                got = run.next_step().local_plans[r].metadata.block_table_tensor
+                assert torch.equal(got[:, :whole.shape[1]], whole) and bool((got[:, whole.shape[1]:] < 0).all())
+            run.index -= len(growths)
+        run.index += len(growths)
+    assert run.num_steps == 4 + 8 + 8 and run.segment_start == 12
 
 
 # The shard's queue alone --------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import threading
 from typing import Callable
 
 from cpattn.cluster.client_registry import ClientRegistry
-from cpattn.cluster.decode_run_plans import RunSteps, client_step, shard_step
+from cpattn.cluster.decode_run_plans import RunPlans, RunSteps, client_step, shard_step
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.messages import RunExtension
-from cpattn.cluster.open_steps import OpenSteps
+from cpattn.cluster.open_steps import OpenStep, OpenSteps
 from cpattn.cluster.rpc import call
 from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.cluster.shard_set import ShardSet
@@ -77,8 +77,14 @@ class RunExtensionMethods:
                 step.id_span = step.num_substeps
                 self._publish_blocks_used()
                 return None
-            local = sorted(step.local_ranks)
-            seqs = [self.table.sequences[s] for s in step.seq_ids]
-            pages = {r: self.table.page_deltas(r, seqs, plans.ranks[r].table, held) for r in local}
             self._publish_blocks_used()
-        return RunExtension(RunSteps(client_step, [r.for_client() for r in plans.ranks], 0, tuple(local)), pages)
+            return extension_reply(self.table, step, plans, held)
+
+
+def extension_reply(table: SequenceTable, step: OpenStep, plans: RunPlans, held) -> RunExtension:
+    """What the client gets of an extension: the steps as it reads them (its in-process shards' plans, the rows the
+    others return) and its in-process shards' block tables as deltas against ``held``."""
+    local = sorted(step.local_ranks)
+    seqs = [table.sequences[s] for s in step.seq_ids]
+    pages = {r: table.page_deltas(r, seqs, plans.ranks[r].table, held) for r in local}
+    return RunExtension(RunSteps(client_step, [r.for_client() for r in plans.ranks], 0, tuple(local)), pages)

@@ -23,6 +23,8 @@ from cpattn.errors import CpattnError
 
 if TYPE_CHECKING:
     from cpattn.cluster.client_run import DecodeRun
+    from cpattn.cluster.messages import RunExtension
+    from cpattn.cluster.page_delta import PageCache
 
 logger = logging.getLogger("cpattn")
 
@@ -58,8 +60,14 @@ def take_extension(gateway, run: DecodeRun) -> bool:
         return False
     if extension is None:
         return False
+    adopt_extension(gateway.pages, run, extension)
+    return True
+
+
+def adopt_extension(pages: PageCache, run: DecodeRun, extension: RunExtension) -> None:
+    """The run goes on with the extension's steps, its in-process shards' tables from the deltas (``pages``: the
+    client's PageCache, which held the run's tables so far)."""
     seq_ids = list(run.request)
-    tables = {r: gateway.pages.apply(r, seq_ids, deltas) for r, deltas in extension.local_pages.items()}
+    tables = {r: pages.apply(r, seq_ids, deltas) for r, deltas in extension.local_pages.items()}
     use_block_tables(extension.steps, tables)
     run.extend(extension.steps)
-    return True
