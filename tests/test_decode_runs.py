@@ -34,6 +34,25 @@ def check_state(svc, oracle: Oracle, sids: list[str]) -> None:
     assert sum(s["blocks_used"] for s in stats["shards"]) == blocks_needed(svc, lengths)
 
 
+def fail_after_first_layer(svc, oracle: Oracle, sid: str) -> None:
+    """A step of ``sid`` whose caller fails after its first layer (the step rolls back)."""
+    with pytest.raises(RuntimeError, match="model failed"):
+        with svc.step({sid: 1}) as step:
+            q, k, v = oracle.random_qkv(1)
+            step.attend(0, q, k, v)
+            raise RuntimeError("model failed")
+
+
+def fail_after_last_layer(svc, oracle: Oracle, sid: str) -> None:
+    """A step of ``sid`` whose caller fails after every layer was attended (a run's shards wait for a header)."""
+    with pytest.raises(RuntimeError, match="after the last layer"):
+        with svc.step({sid: 1}) as step:
+            for layer in range(svc.config.num_layers):
+                q, k, v = oracle.random_qkv(1)
+                step.attend(layer, q, k, v)
+            raise RuntimeError("after the last layer")
+
+
 @pytest.fixture(scope="module")
 def runs_svc(ray_session):
     import cpattn
@@ -88,20 +107,11 @@ def test_error_in_a_runs_step_rolls_back_that_step_only(runs_svc):
     run_step(svc, oracle, {a: 1})
     rolled_back = svc.stats()["steps_rolled_back"]
     run_step(svc, oracle, {a: 1})
-    with pytest.raises(RuntimeError, match="model failed"):
-        with svc.step({a: 1}) as step:   # the run's 2nd step: layer 0 attended, then the caller fails
-            q, k, v = oracle.random_qkv(1)
-            step.attend(0, q, k, v)
-            raise RuntimeError("model failed")
+    fail_after_first_layer(svc, oracle, a)   # the run's 2nd step
     assert svc.gateway.run is None and svc.sequence_length(a) == oracle.length(a)
     for _ in range(5):
         run_step(svc, oracle, {a: 1})
-    with pytest.raises(RuntimeError, match="after the last layer"):
-        with svc.step({a: 1}) as step:   # every layer attended, then the caller fails: shards wait for a header
-            for layer in range(svc.config.num_layers):
-                q, k, v = oracle.random_qkv(1)
-                step.attend(layer, q, k, v)
-            raise RuntimeError("after the last layer")
+    fail_after_last_layer(svc, oracle, a)
     run_step(svc, oracle, {a: 1})
     check_state(svc, oracle, [a])
     assert svc.stats()["steps_rolled_back"] == rolled_back + 2

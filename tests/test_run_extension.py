@@ -22,7 +22,7 @@ from cpattn.cluster.shard_runs import LiveRuns
 from cpattn.cluster.step_ledger import StepLedger
 from cpattn.errors import CapacityError
 from service_oracle import Oracle, checked_step, run_step
-from test_decode_runs import check_state
+from test_decode_runs import check_state, fail_after_first_layer, fail_after_last_layer
 from test_step_ledger import Metrics
 
 
@@ -254,20 +254,11 @@ def test_errors_in_an_extended_step_roll_back_that_step_only(ext_svc):
     assert svc.gateway.run.segment_start > 0
     rolled_back = svc.stats()["steps_rolled_back"]
     _decode(svc, oracle, [a], 1)
-    with pytest.raises(RuntimeError, match="model failed"):
-        with svc.step({a: 1}) as step:   # an extension's step: layer 0 attended, then the caller fails
-            q, k, v = oracle.random_qkv(1)
-            step.attend(0, q, k, v)
-            raise RuntimeError("model failed")
+    fail_after_first_layer(svc, oracle, a)   # an extension's last step
     assert svc.gateway.run is None and svc.sequence_length(a) == oracle.length(a)
     _decode(svc, oracle, [a], 7)
     assert svc.gateway.run.segment_start > 0
-    with pytest.raises(RuntimeError, match="after the last layer"):
-        with svc.step({a: 1}) as step:   # every layer attended, then the caller fails: shards wait for a header
-            for layer in range(svc.config.num_layers):
-                q, k, v = oracle.random_qkv(1)
-                step.attend(layer, q, k, v)
-            raise RuntimeError("after the last layer")
+    fail_after_last_layer(svc, oracle, a)
     _decode(svc, oracle, [a], 2)
     check_state(svc, oracle, [a])
     assert svc.stats()["steps_rolled_back"] == rolled_back + 2
