@@ -4,8 +4,8 @@ A run (cluster/decode_run.py) is granted to a decode-only step; its next steps a
 asks for the same thing (same sequences, in the same order, one token each). Each step of the run is
 committed as any step is (its answer read later); before each step after the first the remote shards get a
 run header (NEXT), and a run the client leaves early (another request, freeing one of its sequences, close)
-gets END, then a waited ``end_step(done=n)`` that keeps the n steps run and gives back the other pages. Halfway
-through, a run asks for its next steps (cluster/run_extension.py); after its last step the shards get NEXT into
+gets END, then a waited ``end_step(done=n)`` that keeps the n steps run and gives back the other pages. At its
+second step, a run asks for its next steps (cluster/run_extension.py); after its last step the shards get NEXT into
 them, or END when none came.
 
 A remote shard waits for the next run header between steps, holding a thread; so a run left idle ends by
@@ -222,7 +222,7 @@ class RunControl:
     def _next_in_run(self, run: DecodeRun, seq_ids: list[str], phases: Phases) -> BegunStep | None:
         """The decode run's next step: opened from the run's rows on the device where its SteadyRun serves it, else
         from its plans (built when first read); None when its remote shards could not be told (the run ended).
-        Halfway through a segment its extension is asked for (cluster/run_extension.py)."""
+        At a segment's second step its extension is asked for (cluster/run_extension.py)."""
         j = run.index - run.segment_start   # the step's index in its segment (a SteadyRun's rows are per segment)
         wire = phases.mark("steady", run.steady.open(j, self.local_graphs)) if run.steady is not None else None
         if wire is not None:

@@ -3,7 +3,7 @@
 A run's start (its last commit read, a begin_step, the plans of S steps, the client's tables) cost 18-24 ms on an
 H200 host, paid by the caller once per 128-step run: 0.14-0.19 ms of each step, the largest part of opening a
 step at 1M tokens and at B=64 once later steps open from rows on the device (cluster/steady_run.py). So the
-client asks, without waiting, halfway through a run, for its next steps: they are grown and planned from the
+client asks, without waiting, at a run's second step, for its next steps: they are grown and planned from the
 run's planned end, handed to its remote shards (which take them into the run they serve, shard_runs.py), and
 added to the open step, whose commits, rollback and close treat them as the run's own. The client takes them
 at the run's last planned step (cluster/run_extension.py): the run goes on, with no begin_step in between.

@@ -1,10 +1,10 @@
 """A decode run extended while it runs, the client's side (the coordinator's: coordinator_runs.py; the shards':
 shard_runs.py).
 
-Halfway through each segment of its run (the steps begin_step gave, then each extension's), the client asks
-for the next segment without waiting: ``extend_run`` with twice the segment's steps, up to decode_run_steps.
-At the segment's last step, before committing it, it reads the answer (asked tens of steps earlier, so it is
-there): with steps, the run goes on with them (its block tables from the answer's deltas, its steady rows
+At the second step of each segment of its run (the steps begin_step gave, then each extension's), the client asks
+for the next segment without waiting: ``extend_run`` with twice the segment's steps, up to decode_run_steps (asked
+that early, even a 4-step segment leaves the coordinator a few steps' time; the pages are held a segment sooner).
+At the segment's last step, before committing it, it reads the answer (there by then): with steps, the run goes on with them (its block tables from the answer's deltas, its steady rows
 rebuilt from the new segment's second step); without (not granted, or not there within EXTENSION_WAIT_S), the run
 ends there as it would have, END to its remote shards, and the coordinator undoes what it added when the run's last
 commit says it ends.
@@ -30,10 +30,10 @@ logger = logging.getLogger("cpattn")
 
 
 def ask_extension(gateway, run: DecodeRun) -> None:
-    """After a step of ``run`` began: ask for its next segment once this one is half begun (one ask each)."""
+    """After a step of ``run`` began: ask for its next segment once this one's second step began (one ask each)."""
     cfg = gateway.config
     segment = run.num_steps - run.segment_start
-    if run.asked or not cfg.decode_run_extend or run.index - run.segment_start < segment // 2:
+    if run.asked or not cfg.decode_run_extend or run.index - run.segment_start < 2:
         return
     run.asked = True
     held = gateway.pages.held(list(run.request), sorted(gateway.local)) if gateway.local else None
@@ -41,9 +41,11 @@ def ask_extension(gateway, run: DecodeRun) -> None:
     run.extension = gateway.coordinator.extend_run.remote(gateway.credential, run.first_step_id, ahead, held)
 
 
-EXTENSION_WAIT_S = 0.05
-"""How long the run's last step waits for an extension not there yet (asked half a run earlier: a coordinator busy
-planning others' steps), before the run ends as without one: about what the begin_step it saves would cost."""
+EXTENSION_WAIT_S = 1.0
+"""How long the run's last step waits for an extension not there yet (asked a segment earlier: a coordinator busy
+planning others' steps, a loaded host), before the run ends as without one. Waiting is no slower than the begin_step
+it saves, which would queue behind the same coordinator; the bound is for a shard that does not answer
+(coordinator_runs waits for it up to rpc_timeout_s)."""
 
 
 def take_extension(gateway, run: DecodeRun) -> bool:
