@@ -117,8 +117,8 @@ def _blocks_per_shard(case: Case, gpus: int, repeats: int) -> int:
     them, so one step's tokens suffice (charging every repeat's prefill made a 32K prefill ask for 1.6M tokens'
     pages and run out of memory)."""
     warm, measured = steps_of(case, repeats)
-    # + a run's pages reserved ahead (decode_run_steps) and slack
-    grown = case.context + case.new * (warm + measured + RUN_STEPS + 8) if case.context else case.new
+    # + a run's pages reserved ahead (its segment and the extension asked during it: two of decode_run_steps) and slack
+    grown = case.context + case.new * (warm + measured + 2 * RUN_STEPS + 8) if case.context else case.new
     return -(-case.batch * grown // gpus) // BLOCK + 2 * case.batch + 16
 
 
