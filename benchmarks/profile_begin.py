@@ -144,6 +144,14 @@ def _at_full_run_boundary(gw, full: int) -> bool:
     return run.segment_start > 0 and run.index == run.segment_start and run.num_steps - run.segment_start >= full
 
 
+def _split_later(begins: list[float], parts: list[dict], starts: list[bool]) -> dict:
+    steady = [b for b, p, s in zip(begins, parts, starts) if not s and "steady" in p and "run_next" not in p]
+    planned = [b for b, p, s in zip(begins, parts, starts) if not s and "run_next" in p]
+    return {"steady_steps": len(steady), "planned_steps": len(planned),
+            "begin_ms_steady": 1e3 * statistics.fmean(steady) if steady else None,
+            "begin_ms_planned": 1e3 * statistics.fmean(planned) if planned else None}
+
+
 def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, torch_profile: bool) -> dict:
     """``warmup`` steps at least, then until a run of decode_run_steps steps has just ended (so the measured steps
     are the steady state a long decode loop reaches: whole runs of the full length), then ``steps`` measured."""
@@ -192,6 +200,9 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "begin_ms_per_step": 1e3 * statistics.fmean(begins),
            "begin_ms_run_start": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if s) if firsts else None,
            "begin_ms_later": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if not s) if later else None,
+           # the later steps opened from the run's rows (steady_run.py) and those planned (a segment's first two, a
+           # step of another bucket or with partial rows): what each kind costs, and how many of each
+           **_split_later(begins, parts, starts),
            "step_ms": 1e3 * statistics.fmean(walls), "step_ms_median": 1e3 * statistics.median(walls),
            # the end of the step (the device waited for, the commit sent): a cost moved out of opening shows here
            "end_ms_per_step": 1e3 * statistics.fmean(ends),
@@ -333,6 +344,8 @@ def _fmt_service(r: dict) -> str:
     return (f"{r['case']:>20} {r['layers']:>6} {r['run_starts']:>6} {r['begin_ms_per_step']:>10.3f} "
             f"{_ms(r['begin_ms_run_start']):>9} {_ms(r['begin_ms_later']):>7} {r['end_ms_per_step']:>7.3f} "
             f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}"
+            f"\n{'':>72}later steps: {r['steady_steps']} steady {_ms(r['begin_ms_steady'])} ms, "
+            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms"
             f"\n{'':>72}gc in opening, ms/step by generation: "
             + " ".join(f"{g}: {t:.3f}" for g, t in r["gc_ms_per_open"].items()))
 
