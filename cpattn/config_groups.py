@@ -130,10 +130,11 @@ class StepExecution(FieldGroup):
     step ~0.1 ms of it where 32 charged 0.3-0.5 (issue 18's 0.3 ms per step); a run holds one page per
     sequence and 16 steps ahead (128 steps of B=64 at page 16: 512 pages, returned when it ends early)."""
     decode_run_extend: bool = True
-    """Extend a decode run while it runs: at each segment's second step the client asks (without waiting) for its next steps
-    (twice as many, up to ``decode_run_steps``), grown, planned and handed to the shards while it decodes; at the
-    run's last step it goes on with them, with no begin_step in between (cluster/coordinator_runs.py). False: a
-    run ends after its steps and the next begins with a coordinator round trip (18-24 ms on an H200 host)."""
+    """Extend a decode run while it runs: at each segment's second step the client asks (without waiting) for its
+    next steps (twice as many, up to ``decode_run_steps``), grown, planned and handed to the shards while it
+    decodes; at the run's last step it goes on with them, with no begin_step in between
+    (cluster/coordinator_runs.py). False: a run ends after its steps and the next begins with a coordinator round
+    trip (18-24 ms on an H200 host)."""
     pcp_enabled: bool = True
     """Split the causal part of long prefills across shards (prefill context parallelism)."""
     pcp_min_tokens: int = Field(2048, ge=1)

@@ -72,7 +72,7 @@ def test_a_withdrawn_extension_gives_its_pages_back_and_keeps_the_run():
 
 
 def test_an_extension_whose_planning_fails_gives_its_pages_back(monkeypatch):
-    from cpattn.cluster import step_ledger
+    from cpattn.cluster import decode_run
 
     ledger, gen = _ledger()
     step = _open_run(ledger, gen, seqs=("a", "b"))
@@ -80,7 +80,7 @@ def test_an_extension_whose_planning_fails_gives_its_pages_back(monkeypatch):
 
     def broken(*args, **kwargs):
         raise RuntimeError("planner broke")
-    monkeypatch.setattr(step_ledger, "plan_decode_run", broken)
+    monkeypatch.setattr(decode_run, "plan_steps", broken)
     with pytest.raises(RuntimeError, match="planner broke"):
         ledger.extend(step, 16, gen, 1)
     assert ledger.table.blocks_used() == before and step.num_substeps == 4 and step.new_lengths == [4, 4]

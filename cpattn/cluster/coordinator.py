@@ -5,8 +5,8 @@ every caller first). It orchestrates state owners, each tested alone: ClientRegi
 leases), SequenceTable (sequences, pages, growth), OpenSteps (steps, shard threads), StepLedger (a step's
 life on those, and end_step's answers), Generations (epoch, incarnation, the shard secret; the journal's
 meta record), ShardSet (the shard actors) and ShardRecovery (replacing lost shards; each bumps the epoch).
-Its sequence methods are in coordinator_sequences.py, extend_run in coordinator_runs.py. It plans each step once and hands each shard its plan
-in a single Ray call; per-layer tensors never pass through here.
+Its sequence methods are in coordinator_sequences.py, extend_run in coordinator_runs.py. It plans each step
+once and hands each shard its plan in a single Ray call; per-layer tensors never pass through here.
 """
 
 from __future__ import annotations

@@ -70,6 +70,8 @@ class RunExtensionMethods:
             step.extending = False
             if not self.steps.is_open(step):
                 return None   # closed meanwhile (its client ended it or lapsed): its close undid these pages too
+            if taken and (self.gen.epoch != step.epoch or any(s not in self.table.sequences for s in step.seq_ids)):
+                taken = False   # a shard replaced meanwhile, a sequence dropped with it: the run is failing anyway
             if not taken:
                 # Shards that took the steps keep them queued, unserved (the client ends the run at its planned
                 # end): the run is never extended again, so no later extension reuses their step ids.

@@ -56,8 +56,8 @@ def extension_length(table: SequenceTable, step, seqs: list[Sequence], ahead, fr
                      other_clients: int) -> int:
     """How many steps an open run ``step`` (open_steps.OpenStep) may add after its last planned one: up to
     ``ahead``, while a thread stays free for each other client (run_length's rule: ``free_threads`` already
-    leaves out the run's own), within
-    its step ids (RUN_ID_SPAN), the cache and the client's quota, counted from the run's planned end."""
+    leaves out the run's own), within its step ids (RUN_ID_SPAN), the cache and the client's quota, counted from
+    the run's planned end."""
     num_steps = run_length({s.seq_id: 1 for s in seqs}, ahead, free_threads, other_clients)
     if num_steps == 1:   # not granted (or asked for one step: an extension of one saves nothing)
         return 0

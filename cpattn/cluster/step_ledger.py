@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 
 from cpattn.cluster import decode_run, step_outcome
-from cpattn.cluster.decode_run_plans import RunPlans, plan_decode_run
+from cpattn.cluster.decode_run_plans import RunPlans
 from cpattn.cluster.generations import Generations
 from cpattn.cluster.messages import BeginStepReply, EndStepReply
 from cpattn.cluster.metrics import ServiceMetrics
 from cpattn.cluster.open_steps import RUN_ID_SPAN, OpenStep, OpenSteps, check_step_size
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
-from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step, table_gatherer
+from cpattn.cluster.step_planner import ShardStepPlan, StepRequest, plan_step
 from cpattn.cluster.wire_select import select_wire
 from cpattn.config import ServiceConfig
 from cpattn.errors import InvalidRequestError, ShardLostError
@@ -107,12 +107,10 @@ class StepLedger:
             self._undo_pages(step, growths)
             return None
         first_id = step.step_id + step.num_substeps
-        gather = table_gatherer(self.table.allocator, [s.rows for s in seqs], {})
-        cfg = self.config
-        try:
-            plans = plan_decode_run(self.table.allocator, [s.rows for s in seqs], ends,
-                                    list(range(first_id, first_id + len(growths))), gather, gen.incarnation,
-                                    gen.shard_secret, cfg.row_window(), None, cfg.pcp_enabled, cfg.pcp_min_tokens)
+        try:   # a decode-only run's plans, as begin_step's (no copies: checked above)
+            plans = decode_run.plan_steps(self.table.allocator, seqs, ends, [1] * len(seqs),
+                                          list(range(first_id, first_id + len(growths))), self.config,
+                                          gen.incarnation, gen.shard_secret, growths)
         except BaseException:
             self._undo_pages(step, growths)
             raise
