@@ -21,7 +21,11 @@ from cpattn.cluster.decode_graphs import DecodeGraphs  # noqa: E402
 from cpattn.cluster.decode_run_plans import RunSteps, client_step, use_block_tables  # noqa: E402
 from cpattn.cluster.gateway import StepWire  # noqa: E402
 from cpattn.cluster.steady_run import SteadyRun  # noqa: E402
-from test_decode_host_refill import _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401
+from cpattn.cluster.step_planner import table_gatherer  # noqa: E402
+from cpattn.kvstore.run_growth import grow_decode_run  # noqa: E402
+from cpattn.kvstore.sharded_allocator import ShardedKVAllocator  # noqa: E402
+from cpattn.cluster.decode_run_plans import plan_decode_run  # noqa: E402
+from test_decode_host_refill import BLOCK, BLOCKS, _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401,E501
 
 
 def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, replicas: int, kv: str,
@@ -129,3 +133,86 @@ def test_nothing_is_served_after_the_graphs_changed():
     graphs[0].key = graphs[0].key[:1] + (graphs[0].key[1] * 2,) + graphs[0].key[2:]
     assert steady.open(3, graphs) is None                               # another bucket captured than step 3's
     assert steady.open(len(runs), graphs) is None and steady.open(-1, graphs) is None
+
+
+def _forked_run(rng: random.Random, shards: int, interleave: int, replicas: int, steps: int):
+    """A decode run of 2-5 forks of one document (its pages shared: fork_rows) with a few tokens of their own."""
+    alloc = ShardedKVAllocator(shards, BLOCKS, BLOCK, interleave, max_rows=16, replicas=replicas)
+    document = alloc.add_rows()
+    prefix = rng.randrange(300, 2500)
+    alloc.finish(alloc.grow([(document, prefix)], [0]))
+    forks = [alloc.fork_rows(document, prefix) for _ in range(rng.randrange(2, 6))]
+    lengths = [prefix + rng.randrange(0, 40) for _ in forks]
+    alloc.finish(alloc.grow(list(zip(forks, lengths)), [prefix] * len(forks)))   # copies the shared last page
+    growths = grow_decode_run(alloc, forks, lengths, steps, first_step=0)
+    return plan_decode_run(alloc, forks, lengths, list(range(steps)), table_gatherer(alloc, forks, {}), 0, None, None,
+                           growths[0], False, 8)
+
+
+def _prefix_buffers(graphs: DecodeGraphs) -> dict:
+    p = graphs.prefix.plan
+    return {"prefix_rows": graphs.prefix.rows.clone(), "prefix_kv_len": p.dec_kv_len.clone(),
+            "prefix_table": p.block_table.clone()}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shards, local, interleave, replicas, kv", [
+    (1, (0,), 1, 1, "auto"), (3, (0, 2), 16, 1, "auto"), (2, (0,), 1, 2, "fp8_e4m3")])
+def test_forks_steps_open_steady_over_their_shared_prefix(seed, shards, local, interleave, replicas, kv):
+    """Forks' steps read their shared prefix in a prefix pass (cascade_plan): a steady step refills the suffix pass's
+    buffers as planning the step does (its key counts the run's less the prefix's) and leaves the prefix pass's as
+    the template's planning made them, which planning every step would make too."""
+    rng = random.Random(seed)
+    runs = _forked_run(rng, shards, interleave, replicas, rng.randrange(6, 40))
+    first, later = decode_run.client_steps(runs, list(range(len(runs))), list(local))
+    tables = {r: runs.ranks[r].table for r in local}
+    use_block_tables([first], tables)
+    use_block_tables(later, tables)
+    runners = {r: _runner(shards, replicas, kv) for r in local}
+    graphs = {r: DecodeGraphs(runner) for r, runner in runners.items()}
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    assert all(p.prefix_pass is not None and p.graphs is graphs[r] for r, p in template.local.items()), seed
+    steady = SteadyRun.of(later, template, graphs)
+    every_row = [all(runs.ranks[r].rows(j) is None for r in range(shards)) for j in range(len(runs))]
+    assert (steady is not None) == every_row[1], seed
+    planned = {r: _runner(shards, replicas, kv) for r in local}
+    planned_graphs = {r: DecodeGraphs(p) for r, p in planned.items()}
+    served = 0
+    for j in range(len(runs)):
+        want = {}
+        for r in local:
+            step = planned[r].plan(runs.ranks[r].plan(j), planned_graphs[r])
+            want[r] = None if step.graphs is None else {**_buffers(planned_graphs[r], step.attn_metadata.block_table
+                                                                   .shape[1]), **_prefix_buffers(planned_graphs[r])}
+        if j < 2:
+            continue
+        in_bucket = all(want[r] is not None and planned_graphs[r].key == graphs[r].key for r in local)
+        wire = None if steady is None else steady.open(j, graphs)
+        assert (wire is not None) == (steady is not None and in_bucket and every_row[j]), (seed, j)
+        if wire is None:
+            _open_planned(later[j - 1], runners, graphs)
+            continue
+        served += 1
+        for r in local:
+            got = {**_buffers(graphs[r], want[r]["table"].shape[1]), **_prefix_buffers(graphs[r])}
+            assert got.keys() == want[r].keys()
+            for name in want[r]:
+                assert torch.equal(got[name], want[r][name]), (seed, r, j, name)
+    if steady is not None:
+        assert served >= len(runs) - 2 - 4, (seed, served, len(runs))
+
+
+def test_a_steady_step_is_planned_once_the_graphs_hold_another_prefix_pass():
+    runs = _forked_run(random.Random(5), 1, 1, 1, 8)
+    first, later = decode_run.client_steps(runs, list(range(8)), [0])
+    use_block_tables([first], {0: runs.ranks[0].table})
+    use_block_tables(later, {0: runs.ranks[0].table})
+    runners = {0: _runner(1, 1, "auto")}
+    graphs = {0: DecodeGraphs(runners[0])}
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    steady = SteadyRun.of(later, template, graphs)
+    assert steady is not None and steady.open(2, graphs) is not None
+    graphs[0].prefix_source = None   # another step's prefix pass refilled the buffers
+    assert steady.open(3, graphs) is None

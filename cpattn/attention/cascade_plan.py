@@ -35,6 +35,9 @@ class CascadeSplit:
     """G requests: each group's queries (rows ``rows``) over its prefix pages; writes nothing."""
     rows: torch.Tensor
     """(R,) int64: step rows of the prefix pass, in its order (CPU)."""
+    shift: torch.Tensor
+    """(B,) int64: keys each request's prefix pass reads (0 outside every group): the suffix's lengths are the step's
+    less these (CPU; a steady decode run's later steps subtract them from its rows: cluster/steady_run.py)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ class PrefixSplitter:
         seq_lens, context = md.seq_lens_cpu - shift, md.context_lens_cpu - shift
         suffix = replace(md, block_table_tensor=suffix_table, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
                          context_lens_cpu=context, max_seq_len=int(seq_lens.max()))
-        return CascadeSplit(suffix, prefix, rows)
+        return CascadeSplit(suffix, prefix, rows, shift)
 
 
 def _same_pass(rows_a: torch.Tensor, a: CommonAttentionMetadata, rows_b: torch.Tensor,

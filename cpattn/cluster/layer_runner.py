@@ -43,6 +43,8 @@ class PlannedStep:
     """[C, 2] int64 on the device: pages each layer copies before its KV update (copy on write)."""
     prefix_pass: PrefixPass | None = None
     """Shared prefixes read once per layer (attention/cascade_plan.py); None: none."""
+    prefix_shift: torch.Tensor | None = None
+    """With ``prefix_pass``: (B,) int64 on the CPU, the keys it reads of each request (CascadeSplit.shift)."""
     graphs: DecodeGraphs | None = None
     """Set when every layer replays a captured CUDA graph (cluster.decode_graphs): outputs then live in the
     graphs' buffers until that layer replays again."""
@@ -150,8 +152,8 @@ class ShardLayerRunner:
         if new_only is not None:
             new_only = new_only.to(self.device)
             replica = new_only.replica_slots
-        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass, graphs,
-                           self, new_only)
+        return PlannedStep(plan, attn_md, replica, plan.causal_pieces, rows, scale_writes, copies, prefix_pass,
+                           None if split is None else split.shift, graphs, self, new_only)
 
     def _prepared_from_host(self, md, plan: ShardStepPlan, graphs: DecodeGraphs) -> bool:
         """A decode step in the bucket ``graphs`` captured (a decode run's later steps): its buffers filled from the

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
 from cpattn.kvstore import dcp_local_seq_lens
@@ -43,6 +44,9 @@ class LocalRunRows:
     """Dynamic fp8 scales: [S, R] each, the pages each step's slot rows write (fp8_graphed.written_pages)."""
     window_starts: dict[int, torch.Tensor]
     """Per sliding window, [S, T] int32: each token's first visible local key (metadata.window_key_start)."""
+    prefix_source: PrefixPass | None = None
+    """Forks' shared prefix (a cascade step): the pass whose plan and rows the graphs' buffers must hold; the rows'
+    key counts are the suffix pass's (the run's less each request's prefix keys)."""
 
     def __post_init__(self):
         # Each step's rows as views, made once: indexing them per step was a torch call (~20 us on a GPU host) each.
@@ -58,18 +62,31 @@ class LocalRunRows:
                                      window_starts)
 
 
-def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, list[bool]] | None:
+def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[LocalRunRows, list[bool]] | None:
     """The rows of ``run`` (one in-process shard's, the client's copy) for ``graphs``, and which steps they can
     serve (this shard computes every row); None when the shard's graphs cannot take rows (no bucket captured, a
-    prefix pass, a backend without decode_graph_key / refill_rows, replica writes that differ from the bucket's)."""
+    backend without decode_graph_key / refill_rows, replica writes that differ from the bucket's, a prefix pass
+    other than ``template``'s: the PlannedStep of the run's second step on this shard).
+    Forks' steps (a prefix pass): the run's table holds the same shared pages in every step (a run copies on write
+    only in its first), so the template's split serves every later step: each row's suffix keys are its keys less
+    the template's prefix keys (the splitter could pick more prefix pages once every fork sees them; reading those
+    in the suffix pass instead is the same attention)."""
     builder, key = graphs.runner.builder, graphs.key
-    if (graphs.disabled or key is None or key[4] is not None or (run.replica_slots is not None) != key[3]
+    if (graphs.disabled or key is None or (run.replica_slots is not None) != key[3]
             or run.pieces.numel() or not all(hasattr(builder, h) for h in ("decode_graph_key", "refill_rows"))):
         return None
     t = run.positions.shape[1]
     if t == 0:
         return None
-    max_kv = run.seq_lens.amax(dim=1).tolist()
+    seq_lens, prefix = run.seq_lens, None
+    if key[4] is not None:   # the captured bucket reads a prefix pass: only the template's, from its own split
+        prefix = None if template is None else template.prefix_pass
+        if prefix is None or graphs.prefix_source is not prefix or template.prefix_shift.shape[0] != t:
+            return None
+        seq_lens = run.seq_lens - template.prefix_shift
+        if bool((seq_lens < 0).any()):
+            return None
+    max_kv = seq_lens.amax(dim=1).tolist()
     serves = run.computes.all(dim=1).tolist()
     starts = {w: dcp_local_seq_lens((run.positions - w + 1).clamp(min=0), run.world_size, run.rank, run.interleave)
               for w in sorted({w for w in builder.spec.sliding_windows if w is not None})}
@@ -86,9 +103,9 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs) -> tuple[LocalRunRows, li
     if graphs.written is not None:
         rows = slots if replica is None else torch.cat([slots, replica], dim=1)
         written = written_pages_of_steps(rows, graphs.runner.config.block_size)
-    kv_lens = run.seq_lens.to(torch.int32).to(device, non_blocking=True)
+    kv_lens = seq_lens.to(torch.int32).to(device, non_blocking=True)
     window_starts = {w: s.to(torch.int32).to(device, non_blocking=True) for w, s in starts.items()}
-    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written, window_starts), serves
+    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written, window_starts, prefix), serves
 
 
 class SteadyRun:
@@ -120,7 +137,7 @@ class SteadyRun:
             g = graphs.get(r)
             if g is None or planned.graphs is not g or planned.copies is not None:
                 return None
-            made = local_run_rows(steps.ranks[r], g)
+            made = local_run_rows(steps.ranks[r], g, planned)
             if made is None:
                 return None
             rows[r], served = made
@@ -133,7 +150,8 @@ class SteadyRun:
         the shards' graphs are not the ones the rows are for)."""
         if not (0 <= j < len(self.serves) and self.serves[j]):
             return None
-        if any(graphs.get(r) is not rows.graphs or rows.graphs.key != rows.keys[j] for r, rows in self.rows.items()):
+        if any(graphs.get(r) is not rows.graphs or rows.graphs.key != rows.keys[j]
+               or rows.graphs.prefix_source is not rows.prefix_source for r, rows in self.rows.items()):
             return None
         for rows in self.rows.values():
             rows.refill(j)

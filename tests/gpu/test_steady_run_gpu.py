@@ -45,3 +45,37 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
         assert starts == 5, starts   # the two prefills, the first decode, the mixed step, the decode after it
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_forks_steady_steps_match_float64(ray_session, interleave):
+    """Forks of one document decode in steady steps (their shared prefix read in the template's prefix pass, their
+    suffix rows refilled each step): every layer of every step within bf16 tolerance of the float64 oracle."""
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle, relative_step
+
+    cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.5, num_cpus_per_shard=0.5, num_blocks_per_shard=512, pcp_min_tokens=64,
+                         decode_run_steps=16)
+    svc = cpattn.start(cfg)
+    try:
+        assert sorted(svc.gateway.local) == [0, 1]
+        oracle = Oracle(cfg, seed=29)
+        doc = svc.add_sequence()
+        relative_step(svc, oracle, {doc: 1000}, 2e-2, f"I={interleave} document")
+        forks = []
+        for _ in range(4):
+            forks.append(svc.fork(doc))
+            oracle.fork(doc, forks[-1], 1000)
+        steady = 0
+        for n in range(30):
+            step = relative_step(svc, oracle, {f: 1 for f in forks}, 2e-2, f"I={interleave} forks step {n}")
+            parts = step.timings["begin_parts"]
+            steady += "steady" in parts and "run_next" not in parts
+        for local in svc.gateway.local_graphs.values():   # the graphs hold the prefix pass
+            assert local is not None and local.key is not None and local.key[4] is not None, local and local.key
+        assert steady >= 20, steady   # all but the segments' first two steps (runs of 4, 8, 16: extended)
+    finally:
+        svc.shutdown()
