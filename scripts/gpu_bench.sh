@@ -20,9 +20,13 @@ case "$part" in
             --cases decode_128k,decode_1m,decode_b64_32k,decode_1m_fp8,decode_1m_w4096 "$@" 2>&1 | quiet ;;
   prefill) "$py" benchmarks/cp_scaling.py --gpus 1,2 --repeats 10 --json "$out/cp_scaling_prefill.json" \
              --cases prefill_32k,prefill_128k,chunked_8k_on_512k "$@" 2>&1 | quiet ;;
-  kernels) "$py" benchmarks/triton_decode_sweep.py --goals-only --json "$out/triton_decode_goals.json" 2>&1 | quiet
-           "$py" benchmarks/shared_prefix.py --backend TRITON --json "$out/shared_prefix.json" 2>&1 | quiet
-           "$py" benchmarks/decode_graph_bench.py --gpus 1,2 --cases decode_128k,decode_b64_32k \
+  kernels) # the 2-GPU rows where the machine has 2 GPUs (nvidia-h200 has one: its rows alone)
+           n=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+           two=$([ "$n" -ge 2 ] && echo 2 || echo 1)
+           "$py" benchmarks/triton_decode_sweep.py --goals-only --json "$out/triton_decode_goals.json" 2>&1 | quiet
+           "$py" benchmarks/shared_prefix.py --backend TRITON --gpus "$two" --json "$out/shared_prefix.json" 2>&1 | quiet
+           "$py" benchmarks/decode_graph_bench.py --gpus "$([ "$two" = 2 ] && echo 1,2 || echo 1)" \
+             --cases decode_128k,decode_b64_32k \
              --json "$out/decode_graph.json" 2>&1 | quiet ;;
   *) echo "usage: bash scripts/gpu_bench.sh {decode|prefill|kernels} [cp_scaling args]" >&2; exit 1 ;;
 esac
