@@ -200,8 +200,8 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "begin_ms_per_step": 1e3 * statistics.fmean(begins),
            "begin_ms_run_start": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if s) if firsts else None,
            "begin_ms_later": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if not s) if later else None,
-           # the later steps opened from the run's rows (steady_run.py) and those planned (a segment's first two, a
-           # step of another bucket or with partial rows): what each kind costs, and how many of each
+           # the later steps opened from the run's rows (steady_run.py) and those planned (a run's first two, an
+           # extension's first, a step of another bucket or with partial rows): what each kind costs, how many of each
            **_split_later(begins, parts, starts),
            "step_ms": 1e3 * statistics.fmean(walls), "step_ms_median": 1e3 * statistics.median(walls),
            # the end of the step (the device waited for, the commit sent): a cost moved out of opening shows here

@@ -20,7 +20,7 @@ from cpattn.cluster import decode_run  # noqa: E402
 from cpattn.cluster.decode_graphs import DecodeGraphs  # noqa: E402
 from cpattn.cluster.decode_run_plans import RunSteps, client_step, use_block_tables  # noqa: E402
 from cpattn.cluster.gateway import StepWire  # noqa: E402
-from cpattn.cluster.steady_run import SteadyRun  # noqa: E402
+from cpattn.cluster.steady_run import SteadyRun, keys_of_steps  # noqa: E402
 from cpattn.cluster.step_planner import table_gatherer  # noqa: E402
 from cpattn.kvstore.run_growth import grow_decode_run  # noqa: E402
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator  # noqa: E402
@@ -216,3 +216,85 @@ def test_a_steady_step_is_planned_once_the_graphs_hold_another_prefix_pass():
     assert steady is not None and steady.open(2, graphs) is not None
     graphs[0].prefix_source = None   # another step's prefix pass refilled the buffers
     assert steady.open(3, graphs) is None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_keys_of_steps_asks_few_keys_and_gives_every_one(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 300)
+    values = sorted(rng.choice([1, 2, 4, 8, 16]) for _ in range(n))   # split counts that only grow
+    asked = []
+
+    def key_of(j):
+        asked.append(j)
+        return (3, values[j], 64)
+    assert keys_of_steps(key_of, n) == [(3, v, 64) for v in values]
+    changes = len(set(values))
+    assert len(asked) <= 2 + 2 * changes * max(1, n.bit_length()), (n, changes, len(asked))
+    assert keys_of_steps(key_of, 0) == []
+
+
+def _two_segments(rng: random.Random, shards: int, interleave: int, replicas: int, first: int, second: int):
+    """A decode run's first segment and an extension planned from its end (as StepLedger.extend does: the pages of
+    the extension's steps grown after the segment's, its tables gathered anew)."""
+    alloc = ShardedKVAllocator(shards, BLOCKS, BLOCK, interleave, max_rows=16, replicas=replicas)
+    lengths = [rng.randrange(64, 3000) for _ in range(rng.randrange(1, 6))]
+    rows = [alloc.add_rows() for _ in lengths]
+    alloc.finish(alloc.grow([(r, n) for r, n in zip(rows, lengths)], [0] * len(rows)))
+    growths = grow_decode_run(alloc, rows, lengths, first, first_step=0)
+    segment = plan_decode_run(alloc, rows, lengths, list(range(first)), table_gatherer(alloc, rows, {}), 0, None,
+                              None, growths[0], False, 8)
+    for g in growths:
+        alloc.finish(g)
+    later = [n + first for n in lengths]
+    more = grow_decode_run(alloc, rows, later, second, first_step=0)
+    for g in more:
+        alloc.finish(g)
+    extension = plan_decode_run(alloc, rows, later, list(range(first, first + second)),
+                                table_gatherer(alloc, rows, {}), 0, None, None, None, False, 8)
+    return segment, extension
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shards, local, interleave, replicas, kv", [
+    (1, (0,), 1, 1, "auto"), (3, (0, 2), 16, 2, "fp8_e4m3"), (2, (0,), 1, 1, "fp8_e4m3")])
+def test_an_extension_opens_steady_from_the_previous_segments_template(seed, shards, local, interleave, replicas, kv):
+    """An extension's first step is planned (it brings the graphs the extension's table); its later steps open from
+    the previous segment's template (client_run: DecodeRun.steady_template), none of them planned as a template,
+    each one's buffers what planning it would make."""
+    rng = random.Random(seed)
+    segment, extension = _two_segments(rng, shards, interleave, replicas, rng.randrange(4, 12), rng.randrange(6, 40))
+    first, later = decode_run.client_steps(segment, list(range(len(segment))), list(local))
+    use_block_tables([first], {r: segment.ranks[r].table for r in local})
+    use_block_tables(later, {r: segment.ranks[r].table for r in local})
+    runners = {r: _runner(shards, replicas, kv) for r in local}
+    graphs = {r: DecodeGraphs(runner) for r, runner in runners.items()}
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    ext = RunSteps(client_step, [r.for_client() for r in extension.ranks], 0, tuple(local))
+    use_block_tables(ext, {r: extension.ranks[r].table for r in local})
+    _open_planned(ext[0], runners, graphs)
+    steady = SteadyRun.of(ext, template, graphs)
+    every_row = [all(extension.ranks[r].rows(j) is None for r in range(shards)) for j in range(len(extension))]
+    # every sequence has keys on every shard (64 and more each), so every step computes every row
+    assert all(every_row) and SteadyRun.of(later, template, graphs) is not None and steady is not None, seed
+    planned = {r: _runner(shards, replicas, kv) for r in local}
+    planned_graphs = {r: DecodeGraphs(p) for r, p in planned.items()}
+    served = 0
+    for j in range(len(extension)):
+        want = {r: _planned_buffers(planned[r], planned_graphs[r], extension.ranks[r].plan(j)) for r in local}
+        if j == 0:
+            continue
+        in_bucket = all(planned_graphs[r].key == graphs[r].key for r in local)
+        wire = steady.open(j, graphs)
+        assert (wire is not None) == (in_bucket and every_row[j]), (seed, j)
+        if wire is None:
+            _open_planned(ext[j], runners, graphs)
+            continue
+        served += 1
+        assert wire.step_id == extension.ranks[0].step_ids[j] and wire.local is template.local
+        for r in local:
+            got = _buffers(graphs[r], want[r]["table"].shape[1])
+            for name in want[r]:
+                assert torch.equal(got[name], want[r][name]), (seed, r, j, name)
+    assert served >= len(extension) - 1 - 4, (seed, served, len(extension))

@@ -111,6 +111,9 @@ class DecodeRun:
     steady: Any = None
     """cluster/steady_run.SteadyRun once its segment's second step was opened: the later steps it opens without
     planning."""
+    steady_template: Any = None
+    """The StepWire the previous segment's SteadyRun opened its steps from: an extension's steps open steady from
+    their second (from their first one's plan, the graphs hold the extension's table), none planned as a template."""
     segment_start: int = 0
     """The index of the current segment's first step: 0, or where the run's latest extension began."""
     segment: Any = None
@@ -147,6 +150,7 @@ class DecodeRun:
     def extend(self, steps) -> None:
         """The run goes on with ``steps`` (an extension's RunSteps) after its last planned step."""
         self.segment_start, self.segment = self.num_steps, steps
+        self.steady_template = None if self.steady is None else self.steady.template
         self.steady, self.extension, self.asked = None, None, False
 
     def step_begun(self) -> None:
@@ -237,8 +241,11 @@ class RunControl:
             if not phases.mark("announce", self._announce(run, step.step_id)):
                 return None
             begun = self._open(step, run.num_tokens, seq_ids, 0.0, phases)
-            if j == 1 and run.steady is None:   # its segment's second step: the template of the later ones
-                run.steady = phases.mark("steady_rows", SteadyRun.of(run.segment_steps, begun.wire, self.local_graphs))
+            # An extension's first step: its later steps from the previous segment's template (SteadyRun.of checks it
+            # still serves); else the segment's second step is the template of the later ones.
+            template = begun.wire if j == 1 else run.steady_template if j == 0 else None
+            if run.steady is None and template is not None:
+                run.steady = phases.mark("steady_rows", SteadyRun.of(run.segment_steps, template, self.local_graphs))
         phases.mark("extend", ask_extension(self, run))
         return begun
 

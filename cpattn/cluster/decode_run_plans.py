@@ -196,7 +196,9 @@ def shard_step(steps: RunSteps, j: int) -> ShardStepPlan:
 def client_step(steps: RunSteps, j: int) -> StepPlans:
     """What the client needs of step j: its in-process shards' plans (for_client, with the run's block tables)
     and the rows each remote shard sends back."""
-    local = {r: steps.ranks[r].plan(j) for r in steps.local}
+    # A segment's first two steps are planned alone (where graphs serve, its later steps open steady: building every
+    # step's rows at once, ~1-2 ms at 128 steps, would be for nothing); from its third on, all at once.
+    local = {r: steps.ranks[r].plan(j, whole_run=j >= 2) for r in steps.local}
     for r, table in steps.block_tables.items():
         local[r].metadata.block_table_tensor = table
     remote = {r: run.rows(j) for r, run in enumerate(steps.ranks) if r not in local}   # rows only: no whole plan

@@ -7,6 +7,8 @@ scales grow) go to the device at once, and each later step opens with a few devi
 graphs' buffers and the second step's wire under the step's id. Planning a later step (its plans built from the
 run's arrays, the builder's ~15 small device copies and fills, the wire) cost 0.36-0.5 ms of the caller's time per
 step on an H200 host, most of it small torch operations at tens of microseconds each.
+An extension's steps (cluster/run_extension.py) open from the previous segment's template once their first step was
+planned (that step brings the graphs the extension's table): a segment boundary plans one step, not two.
 A step whose bucket is not the captured one (more KV splits as sequences grow) or whose rows differ (a shard
 without keys of some sequence, a replica set that changed) opens as any later step; so does every step after the
 group or its graphs changed (a rejoin, a recapture).
@@ -92,10 +94,11 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
               for w in sorted({w for w in builder.spec.sliding_windows if w is not None})}
     in_window = {w: (run.seq_lens - s).clamp(min=0).amax(dim=1).tolist() for w, s in starts.items()}
     # key[2] is the table's width bucket: one table for the whole run, so only the split counts can change
-    keys = []
-    for j, kv in enumerate(max_kv):
-        k = builder.decode_graph_key(t, kv, key[2], {w: most[j] for w, most in in_window.items()})
-        keys.append(None if k is None else k + key[3:])
+    def key_of(j: int) -> tuple | None:
+        k = builder.decode_graph_key(t, max_kv[j], key[2], {w: most[j] for w, most in in_window.items()})
+        return None if k is None else k + key[3:]
+    # A window's keys inside it can shrink as the window slides past this shard's keys: every step asked then
+    keys = [key_of(j) for j in range(len(max_kv))] if in_window else keys_of_steps(key_of, len(max_kv))
     device = graphs.runner.device
     slots = run.slots.to(device, non_blocking=True)
     replica = None if run.replica_slots is None else run.replica_slots.to(device, non_blocking=True)
@@ -106,6 +109,28 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     kv_lens = seq_lens.to(torch.int32).to(device, non_blocking=True)
     window_starts = {w: s.to(torch.int32).to(device, non_blocking=True) for w, s in starts.items()}
     return LocalRunRows(graphs, keys, slots, kv_lens, replica, written, window_starts, prefix), serves
+
+
+def keys_of_steps(key_of, n: int) -> list:
+    """[key_of(j) for j < n] for keys that only grow with j, asked about 2 log2(n) times per change of key, not n
+    times (128 steps' keys cost ~0.7 ms asked one by one). Without windows a decode run's keys are such: each row's
+    key count only grows, and the split count of the longest (decode_graph_key) only grows with it."""
+    if n == 0:
+        return []
+    keys = [None] * n
+
+    def fill(lo: int, hi: int, k_lo, k_hi) -> None:
+        if k_lo == k_hi:
+            keys[lo:hi + 1] = [k_lo] * (hi - lo + 1)
+        elif hi - lo <= 1:
+            keys[lo], keys[hi] = k_lo, k_hi
+        else:
+            mid = (lo + hi) // 2
+            k_mid = key_of(mid)
+            fill(lo, mid, k_lo, k_mid)
+            fill(mid, hi, k_mid, k_hi)
+    fill(0, n - 1, key_of(0), key_of(n - 1))
+    return keys
 
 
 class SteadyRun:

@@ -39,7 +39,7 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
             steady += "steady" in parts and "run_next" not in parts   # opened from the run's rows
             starts += "begin_rpc" in parts
         # runs of 4, 8 and 12 of 16, then (after the mixed step) 4, 8 and 8 of 16: all but each run's first two
-        # steps (32), less a step per split bucket crossed
+        # steps and each extension's first (38), less a step per split bucket crossed
         assert steady >= 28, steady
         # One begin_step per run: its segments (4, 8, 16 steps) are extensions, their tables deltas (run_extension.py)
         assert starts == 5, starts   # the two prefills, the first decode, the mixed step, the decode after it
@@ -76,6 +76,6 @@ def test_forks_steady_steps_match_float64(ray_session, interleave):
             steady += "steady" in parts and "run_next" not in parts
         for local in svc.gateway.local_graphs.values():   # the graphs hold the prefix pass
             assert local is not None and local.key is not None and local.key[4] is not None, local and local.key
-        assert steady >= 20, steady   # all but the segments' first two steps (runs of 4, 8, 16: extended)
+        assert steady >= 20, steady   # all but the run's first two steps and each extension's first
     finally:
         svc.shutdown()
