@@ -24,6 +24,7 @@ from cpattn.attention import AttentionCGSupport, to_natural_lse
 from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.cluster.graph_capture import capture_graphs
+from cpattn.cluster.row_arena import RowArena
 from cpattn.kvstore import kernel_kv_view
 from cpattn.kvstore.fp8_graphed import WrittenPages, grow_scales_of_pages, written_pages
 
@@ -41,6 +42,8 @@ class DecodeGraphs:
         self.replica: torch.Tensor | None = None
         self.written: WrittenPages | None = None
         """Dynamic fp8 scales: the pages the step's own then replica slots write, derived once per step."""
+        self.arena: RowArena | None = None
+        """The buffers a steady step refills, laid out in one (cluster/row_arena.py): made with the bucket's."""
         self.prefix: PrefixPass | None = None
         """The prefix pass's plan and rows in buffers (its q_start and into_rows are the bucket's)."""
         self.prefix_source: PrefixPass | None = None
@@ -102,16 +105,29 @@ class DecodeGraphs:
         self._refill_writes(None if replica_slots is None else replica_slots.to(self.runner.device, non_blocking=True))
         return True
 
-    def refill_step_rows(self, slots_T: torch.Tensor, kv_lens_T: torch.Tensor, replica_T: torch.Tensor | None,
-                         written: WrittenPages | None, window_starts: dict[int, torch.Tensor]) -> None:
-        """A steady decode run's step (cluster/steady_run.py): its rows, already on the device, into the buffers of
-        the bucket captured (the run's block table is in them already)."""
-        self.runner.builder.refill_rows(self.static, slots_T, kv_lens_T, window_starts)
-        if replica_T is not None:
-            self.replica.copy_(replica_T)
+    def step_rows(self, slots: torch.Tensor, kv_lens: torch.Tensor, window_starts: dict[int, torch.Tensor],
+                  replica: torch.Tensor | None, written: WrittenPages | None) -> list[torch.Tensor]:
+        """Decode steps' values ([S, ...] each) of the buffers in ``arena``, in its buffers' order (``arena.pack``)."""
+        rows = self.runner.builder.step_rows(slots, kv_lens, window_starts)
+        return rows + ([replica] if self.replica is not None else []) + (list(written) if self.written is not None
+                                                                        else [])
+
+    def _pack_step_buffers(self) -> RowArena | None:
+        """The buffers a steady step refills (the builder's step_row_buffers, replica slots, written pages) moved
+        into one RowArena, before capture (the graphs read the views); None for a builder without the hooks."""
+        builder = self.runner.builder
+        if not all(hasattr(builder, h) for h in ("step_row_buffers", "with_step_row_buffers", "step_rows")):
+            return None
+        own = builder.step_row_buffers(self.static)
+        arena = RowArena(own + ([self.replica] if self.replica is not None else [])
+                         + (list(self.written) if self.written is not None else []))
+        self.static = builder.with_step_row_buffers(self.static, arena.views[:len(own)])
+        rest = arena.views[len(own):]
+        if self.replica is not None:
+            self.replica, rest = rest[0], rest[1:]
         if self.written is not None:
-            for buffer, value in zip(self.written, written):
-                buffer.copy_(value)
+            self.written = WrittenPages(*rest)
+        return arena
 
     def _refill_writes(self, replica_slots: torch.Tensor | None) -> None:
         """The step's replica slots (on the device) and, for dynamic fp8 scales, the pages its slots write, into
@@ -189,6 +205,7 @@ class DecodeGraphs:
         dynamic_fp8 = r.kv_format is not None and cfg.kv_scales is None
         no_writes = torch.full(((2 if key[3] else 1) * t,), -1, dtype=torch.int64, device=r.device)
         self.written = written_pages(no_writes, cfg.block_size) if dynamic_fp8 else None
+        self.arena = self._pack_step_buffers()
         self.prefix, self.prefix_source = None, None
         if prefix_pass is not None:
             self.prefix = replace(prefix_pass, plan=r.builder.make_static(prefix_pass.plan, key[4][0]),

@@ -3,8 +3,8 @@
 A decode run's steps differ only by one token per sequence. Its first step copies pages on write and may capture
 graphs, its second is planned as any later step; when every in-process shard replays its captured graphs in that
 second step, the run's rows of every step (each shard's slots, key counts, replica slots, and the pages dynamic fp8
-scales grow) go to the device at once, and each later step opens with a few device-to-device copies into the
-graphs' buffers and the second step's wire under the step's id. Planning a later step (its plans built from the
+scales grow) go to the device at once, laid out as the graphs' step buffers are in their arena (row_arena.py), and
+each later step opens with one device-to-device copy into them and the second step's wire under the step's id. Planning a later step (its plans built from the
 run's arrays, the builder's ~15 small device copies and fills, the wire) cost 0.36-0.5 ms of the caller's time per
 step on an H200 host, most of it small torch operations at tens of microseconds each.
 An extension's steps (cluster/run_extension.py) open from the previous segment's template once their first step was
@@ -25,7 +25,7 @@ from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
 from cpattn.kvstore import dcp_local_seq_lens
-from cpattn.kvstore.fp8_graphed import WrittenPages, written_pages_of_steps
+from cpattn.kvstore.fp8_graphed import written_pages_of_steps
 
 
 @dataclass
@@ -36,46 +36,35 @@ class LocalRunRows:
     keys: list[tuple | None]
     """Each step's bucket: a step refills the buffers only while the graphs hold its bucket (a step of another
     bucket is planned, and captures it: the run's later steps of that bucket are served again)."""
-    slots: torch.Tensor
-    """[S, T] int64: each step's slot mapping (-1: a token this shard does not store)."""
-    kv_lens: torch.Tensor
-    """[S, T] int32: the keys each token sees on this shard (its own included where it stores it)."""
-    replica: torch.Tensor | None
-    """[S, T] int64 replica slots (kv_replicas=2), else None."""
-    written: WrittenPages | None
-    """Dynamic fp8 scales: [S, R] each, the pages each step's slot rows write (fp8_graphed.written_pages)."""
-    window_starts: dict[int, torch.Tensor]
-    """Per sliding window, [S, T] int32: each token's first visible local key (metadata.window_key_start)."""
+    packed: torch.Tensor
+    """[S, N] uint8 on the device: each step's values of the graphs' step buffers in their arena's layout
+    (DecodeGraphs.step_rows: slots, the keys each token sees on this shard, windows' first keys, replica slots,
+    the pages dynamic fp8 scales grow)."""
     prefix_source: PrefixPass | None = None
     """Forks' shared prefix (a cascade step): the pass whose plan and rows the graphs' buffers must hold; the rows'
     key counts are the suffix pass's (the run's less each request's prefix keys)."""
 
-    def __post_init__(self):
-        # Each step's rows as views, made once: indexing them per step was a torch call (~20 us on a GPU host) each.
-        steps = len(self.keys)
-        self._rows = list(zip(self.slots.unbind(0), self.kv_lens.unbind(0),
-                              self.replica.unbind(0) if self.replica is not None else [None] * steps,
-                              zip(*(f.unbind(0) for f in self.written)) if self.written is not None else [None] * steps,
-                              [{w: s[j] for w, s in self.window_starts.items()} for j in range(steps)]))
+    def fits(self) -> bool:
+        """The graphs' arena is laid out as ``packed`` (a recapture of the same bucket makes the same layout)."""
+        arena = self.graphs.arena
+        return arena is not None and arena.bytes.numel() == self.packed.shape[1]
 
     def refill(self, j: int) -> None:
-        slots, kv_lens, replica, written, window_starts = self._rows[j]
-        self.graphs.refill_step_rows(slots, kv_lens, replica, None if written is None else WrittenPages(*written),
-                                     window_starts)
+        self.graphs.arena.fill(self.packed[j])   # a row view (~3 us) and one copy
 
 
 def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[LocalRunRows, list[bool]] | None:
     """The rows of ``run`` (one in-process shard's, the client's copy) for ``graphs``, and which steps they can
     serve (this shard computes every row); None when the shard's graphs cannot take rows (no bucket captured, a
-    backend without decode_graph_key / refill_rows, replica writes that differ from the bucket's, a prefix pass
+    backend without decode_graph_key / the arena's hooks, replica writes that differ from the bucket's, a prefix pass
     other than ``template``'s: the PlannedStep of the run's second step on this shard).
     Forks' steps (a prefix pass): the run's table holds the same shared pages in every step (a run copies on write
     only in its first), so the template's split serves every later step: each row's suffix keys are its keys less
     the template's prefix keys (the splitter could pick more prefix pages once every fork sees them; reading those
     in the suffix pass instead is the same attention)."""
     builder, key = graphs.runner.builder, graphs.key
-    if (graphs.disabled or key is None or (run.replica_slots is not None) != key[3]
-            or run.pieces.numel() or not all(hasattr(builder, h) for h in ("decode_graph_key", "refill_rows"))):
+    if (graphs.disabled or key is None or graphs.arena is None or (run.replica_slots is not None) != key[3]
+            or run.pieces.numel() or not hasattr(builder, "decode_graph_key")):
         return None
     t = run.positions.shape[1]
     if t == 0:
@@ -99,16 +88,14 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
         return None if k is None else k + key[3:]
     # A window's keys inside it can shrink as the window slides past this shard's keys: every step asked then
     keys = [key_of(j) for j in range(len(max_kv))] if in_window else keys_of_steps(key_of, len(max_kv))
-    device = graphs.runner.device
-    slots = run.slots.to(device, non_blocking=True)
-    replica = None if run.replica_slots is None else run.replica_slots.to(device, non_blocking=True)
-    written = None
+    # Laid out on the host and moved once (one copy, not one per buffer)
+    replica, written = run.replica_slots, None
     if graphs.written is not None:
-        rows = slots if replica is None else torch.cat([slots, replica], dim=1)
+        rows = run.slots if replica is None else torch.cat([run.slots, replica], dim=1)
         written = written_pages_of_steps(rows, graphs.runner.config.block_size)
-    kv_lens = seq_lens.to(torch.int32).to(device, non_blocking=True)
-    window_starts = {w: s.to(torch.int32).to(device, non_blocking=True) for w, s in starts.items()}
-    return LocalRunRows(graphs, keys, slots, kv_lens, replica, written, window_starts, prefix), serves
+    packed = graphs.arena.pack(graphs.step_rows(run.slots, seq_lens.to(torch.int32),
+                                                {w: s.to(torch.int32) for w, s in starts.items()}, replica, written))
+    return LocalRunRows(graphs, keys, packed.to(graphs.runner.device, non_blocking=True), prefix), serves
 
 
 def keys_of_steps(key_of, n: int) -> list:
@@ -175,7 +162,7 @@ class SteadyRun:
         the shards' graphs are not the ones the rows are for)."""
         if not (0 <= j < len(self.serves) and self.serves[j]):
             return None
-        if any(graphs.get(r) is not rows.graphs or rows.graphs.key != rows.keys[j]
+        if any(graphs.get(r) is not rows.graphs or rows.graphs.key != rows.keys[j] or not rows.fits()
                or rows.graphs.prefix_source is not rows.prefix_source for r, rows in self.rows.items()):
             return None
         for rows in self.rows.values():

@@ -1,6 +1,7 @@
 """TRITON's builder hooks for CUDA graphs (cluster/decode_graphs.py): a decode step's bucket, buffers at fixed
 addresses for it (invariant 8), and each way of filling them: from a built plan (refill), from the step's host
-values without building one (refill_from_host), from a decode run's rows already on the device (refill_rows).
+values without building one (refill_from_host), from a decode run's rows already on the device (the buffers
+step_row_buffers names, which cluster/row_arena.py lays out in one, so a steady step refills them with one copy).
 
 Legend: T tokens (= requests: a decode-only step), S KV splits, W block-table width.
 """
@@ -75,16 +76,31 @@ class TritonGraphHooks:
         return num_tokens, splits, max(64, 1 << (width - 1).bit_length())
 
     @staticmethod
-    def refill_rows(static: TritonAttentionMetadata, slots_T: torch.Tensor, kv_lens_T: torch.Tensor,
-                    window_starts: dict[int, torch.Tensor] | None = None) -> None:
-        """A decode step's slots (int64), key counts and each window's first visible keys (int32), already on the
-        device, into the graph's buffers (a steady decode run's step: cluster/steady_run.py); its block table is
-        the one they hold."""
-        static.slot_mapping.copy_(slots_T)
-        static.dec_kv_len.copy_(kv_lens_T)
-        for w, starts in (window_starts or {}).items():   # a decode-only step: token row = decode index
-            static.window_starts[w][0].copy_(starts)
-            static.window_starts[w][1].copy_(starts)
+    def step_row_buffers(static: TritonAttentionMetadata) -> list[torch.Tensor]:
+        """The buffers a steady decode step refills (cluster/steady_run.py; its block table is the one they hold):
+        slots (int64), key counts, then each window's (ascending) token and decode first visible keys (int32)."""
+        out = [static.slot_mapping, static.dec_kv_len]
+        for w in sorted(static.window_starts):
+            out += list(static.window_starts[w][:2])
+        return out
+
+    @staticmethod
+    def with_step_row_buffers(static: TritonAttentionMetadata, views: list[torch.Tensor]) -> TritonAttentionMetadata:
+        """``static`` reading step_row_buffers' buffers from ``views`` (same order, shapes and values)."""
+        windows, i = dict(static.window_starts), 2
+        for w in sorted(windows):
+            windows[w] = (views[i], views[i + 1], windows[w][2])
+            i += 2
+        return dataclasses.replace(static, slot_mapping=views[0], dec_kv_len=views[1], window_starts=windows)
+
+    @staticmethod
+    def step_rows(slots: torch.Tensor, kv_lens: torch.Tensor, window_starts: dict[int, torch.Tensor]) -> list:
+        """step_row_buffers' values of decode steps ([S, T] each: slots, int32 key counts, each window's int32 first
+        keys): a decode-only step's token row is its decode index, so both of a window's buffers get its starts."""
+        out = [slots, kv_lens]
+        for w in sorted(window_starts):
+            out += [window_starts[w], window_starts[w]]
+        return out
 
     def refill_from_host(self, static: TritonAttentionMetadata, common: CommonAttentionMetadata,
                          table: torch.Tensor | None) -> None:
