@@ -178,9 +178,13 @@ class ShardSet:
         Silence is a ping unanswered within ``timeout_s`` or a lost connection (ActorUnavailableError: a
         network partition, a reset connection); it is timed from the first unanswered ping, so a short
         check (end_step's) never declares a shard lost that the link may still bring back.
+        An answer counts only for the shard it asked: one replaced while its ping was out (checks run on the
+        health thread, on end_step's and on a recovery's) is the new shard's rank, and the old one's death is
+        not the new one's (it was replaced again, once per concurrent check: chaos test, CI 2026-12-01).
         """
+        pinged = list(self.handles)
         refs = [None if h is None else h.ping.options(concurrency_group=CONTROL_GROUP).remote(self.secret)
-                for h in list(self.handles)]
+                for h in pinged]
         sent = time.monotonic()
         deadline = sent + timeout_s
         for rank, ref in enumerate(refs):
@@ -189,24 +193,33 @@ class ShardSet:
             try:
                 ok = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 why = None if ok else "stopped answering (hung)"
-                self._silent_since.pop(rank, None)
+                with self._lock:
+                    if self.handles[rank] is pinged[rank]:
+                        self._silent_since.pop(rank, None)
             except ray.exceptions.GetTimeoutError:
-                why = self._silent(rank, sent, "did not answer pings")
+                why = self._silent(rank, sent, "did not answer pings", pinged[rank])
             except ray.exceptions.ActorUnavailableError:
-                why = self._silent(rank, sent, "was unreachable (ActorUnavailableError: network partition?)")
+                why = self._silent(rank, sent, "was unreachable (ActorUnavailableError: network partition?)",
+                                   pinged[rank])
             except ray.exceptions.RayActorError as exc:
                 why = f"died ({type(exc).__name__})"
             if why is not None:
                 with self._lock:
+                    if self.handles[rank] is not pinged[rank]:   # replaced meanwhile: the new one was not asked
+                        continue
                     self.lost[rank] = why
                 logger.error("shard %d lost: %s", rank, why)
         return dict(self.lost)
 
-    def _silent(self, rank: int, sent: float, what: str) -> str | None:
-        """Why shard ``rank`` is lost once silent for shard_hang_timeout_s (since its first unanswered ping)."""
+    def _silent(self, rank: int, sent: float, what: str, pinged) -> str | None:
+        """Why shard ``rank`` is lost once silent for shard_hang_timeout_s (since its first unanswered ping);
+        None while it may still answer, or when ``pinged`` (the handle asked) is no longer the rank's shard."""
         # The earliest unanswered ping counts: the health thread's long ping may time out after a later, shorter
         # one (end_step's) recorded its own send time.
-        since = self._silent_since[rank] = min(self._silent_since.get(rank, sent), sent)
+        with self._lock:
+            if self.handles[rank] is not pinged:
+                return None
+            since = self._silent_since[rank] = min(self._silent_since.get(rank, sent), sent)
         silent_s = time.monotonic() - since
         if silent_s < self.config.shard_hang_timeout_s:
             return None
