@@ -298,3 +298,16 @@ def test_an_extension_opens_steady_from_the_previous_segments_template(seed, sha
             for name in want[r]:
                 assert torch.equal(got[name], want[r][name]), (seed, r, j, name)
     assert served >= len(extension) - 1 - 4, (seed, served, len(extension))
+
+
+def test_rows_unlike_the_step_buffers_leave_the_run_planned(monkeypatch, caplog):
+    """A builder whose buffers' dtypes differ from the run's rows: SteadyRun.of serves nothing (steps are planned),
+    with a warning, rather than failing the caller's step."""
+    runs, first, later, runners, graphs = _case(11, 1, (0,), 1, 1, "auto")
+    _open_planned(first, runners, graphs)
+    template = _open_planned(later[0], runners, graphs)
+    builder = type(runners[0].builder)
+    monkeypatch.setattr(builder, "step_rows", staticmethod(lambda slots, kv, w: [slots, kv.to(torch.int64)]))
+    with caplog.at_level("WARNING", logger="cpattn"):
+        assert SteadyRun.of(later, template, graphs) is None
+    assert "do not fit the graphs' step buffers" in caplog.text

@@ -17,6 +17,7 @@ Legend: S steps of the run, T tokens of a step (one per sequence), R slot rows (
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +27,8 @@ from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
 from cpattn.kvstore import dcp_local_seq_lens
 from cpattn.kvstore.fp8_graphed import written_pages_of_steps
+
+logger = logging.getLogger("cpattn")
 
 
 @dataclass
@@ -93,8 +96,13 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     if graphs.written is not None:
         rows = run.slots if replica is None else torch.cat([run.slots, replica], dim=1)
         written = written_pages_of_steps(rows, graphs.runner.config.block_size)
-    packed = graphs.arena.pack(graphs.step_rows(run.slots, seq_lens.to(torch.int32),
-                                                {w: s.to(torch.int32) for w, s in starts.items()}, replica, written))
+    try:
+        packed = graphs.arena.pack(graphs.step_rows(run.slots, seq_lens.to(torch.int32),
+                                                    {w: s.to(torch.int32) for w, s in starts.items()}, replica,
+                                                    written))
+    except ValueError as exc:   # rows unlike the buffers (a builder's other dtypes): planned steps serve the run
+        logger.warning("decode run rows do not fit the graphs' step buffers (%s): its steps are planned", exc)
+        return None
     return LocalRunRows(graphs, keys, packed.to(graphs.runner.device, non_blocking=True), prefix), serves
 
 
