@@ -9,6 +9,7 @@ refused one. The ledger's and the shard queue's parts are tested alone first.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,11 +144,21 @@ def test_the_clients_tables_after_an_extension_are_the_runs_whole_tables():
     tables = {r: pages.apply(r, reply.seq_ids, reply.local_pages[r]) for r in (0, 2)}
     use_block_tables(reply.later, tables)
     run = DecodeRun(dict(admitted.request), reply, reply.later, reply.num_tokens, index=4)
-    for _ in range(2):   # two extensions, one after the other
+    for n in range(2):   # two extensions, one after the other
         growths, plans = ledger.extend(step, 8, gen, 1)
         extension = extension_reply(ledger.table, step, plans, pages.held(reply.seq_ids, [0, 2]))
         assert all(start > 0 for r in (0, 2) for _v, start, _p in extension.local_pages[r])   # only the new pages
+        steady = SimpleNamespace(template=f"template of segment {n}") if n == 0 else None
+        run.steady = steady
         adopt_extension(pages, run, extension)
+        # the previous segment's steady template is kept for the extension's later steps (None: it had none)
+        assert run.steady is None and run.steady_template == (None if steady is None else steady.template)
+        local = extension.steps.ranks   # the client's copies: a segment's first two steps build only their own rows
+        run.next_step(), run.next_step()
+        assert not any("_steps" in local[r].__dict__ for r in (0, 2))
+        run.next_step()
+        assert all("_steps" in local[r].__dict__ for r in (0, 2))
+        run.index -= 3
         for r in (0, 2):
             whole = plans.ranks[r].table
             for j in range(len(growths)):
