@@ -342,6 +342,9 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             # The caller's wall time to open a step (issue 18's "plan on the client's path"): the run's begin_step
             # round trip on its first step, the in-process shards' plans on every step.
             "begin_ms_per_step": 1e3 * statistics.fmean(begins),
+            # The slowest opening and step measured: a run's start or a segment's planned step (a decode loop's
+            # latency spikes), which a mean spreads out
+            "begin_ms_max": 1e3 * max(begins), "step_ms_max": 1e3 * max(walls),
             # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
             "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
             "prefill_wire": svc.config.prefill_wire, "pcp_wire_flops_per_byte": svc.config.pcp_wire_flops_per_byte}

@@ -197,7 +197,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "window": case.window, "layers": layers, "warmup_steps": warmed, "steps": steps,
            "run_starts": len(firsts),
            "decode_run_steps": svc.config.decode_run_steps, "decode_run_extend": svc.config.decode_run_extend,
-           "begin_ms_per_step": 1e3 * statistics.fmean(begins),
+           "begin_ms_per_step": 1e3 * statistics.fmean(begins), "begin_ms_max": 1e3 * max(begins),
            "begin_ms_run_start": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if s) if firsts else None,
            "begin_ms_later": 1e3 * statistics.fmean(b for b, s in zip(begins, starts) if not s) if later else None,
            # the later steps opened from the run's rows (steady_run.py) and those planned (a run's first two, an
