@@ -24,7 +24,7 @@ import logging
 import torch
 
 from cpattn.attention.ops.merge import merge_partials
-from cpattn.cluster.graph_capture import capture_graphs
+from cpattn.cluster.graph_capture import capture_graphs, fill_qkv
 from cpattn.cluster.data_plane import CMD_ATTEND, HEADER_BYTES, TAG_BYTES
 
 logger = logging.getLogger("cpattn")
@@ -74,9 +74,7 @@ class ClientLayerGraphs:
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         """One layer: out [T, Q, D], a fresh tensor (the graph's buffer is overwritten when the layer replays)."""
-        self.q.copy_(q_TQD)
-        self.k.copy_(k_TKD)
-        self.v.copy_(v_TKD)
+        fill_qkv(self.qkv, q_TQD, k_TKD, v_TKD)
         self.graphs[layer].replay()
         return self.outputs[layer].clone()
 

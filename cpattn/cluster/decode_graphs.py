@@ -23,7 +23,7 @@ import torch
 from cpattn.attention import AttentionCGSupport, to_natural_lse
 from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
-from cpattn.cluster.graph_capture import capture_graphs
+from cpattn.cluster.graph_capture import capture_graphs, fill_qkv
 from cpattn.cluster.row_arena import RowArena
 from cpattn.kvstore import kernel_kv_view
 from cpattn.kvstore.fp8_graphed import WrittenPages, grow_scales_of_pages, written_pages
@@ -159,9 +159,7 @@ class DecodeGraphs:
             v_TKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: out [T, Q, D], natural-log lse [T, Q] in the graph's buffers (overwritten when this
         layer replays again: a caller that keeps them past the step copies them)."""
-        self.q.copy_(q_TQD)
-        self.k.copy_(k_TKD)
-        self.v.copy_(v_TKD)
+        fill_qkv(self.qkv, q_TQD, k_TKD, v_TKD)
         self.graphs[layer].replay()
         return self.outputs[layer]
 
