@@ -11,6 +11,9 @@ CUDA context with the in-process shard's KV cache opened by IPC, the run's state
     python benchmarks/op_cost.py --smoke            # CPU tensors and a CPU service (the test suite runs it)
 
 Per stage and call: microseconds per call (wall time of N calls on the caller's thread, then one device sync).
+Stage "busy": as "bare", but each batch made while the GPU runs ~20 ms of matmuls enqueued before it, as a decode
+step's opening and its layers' calls are made while the previous layers run (session 11's torch profile showed
+device-to-device cudaMemcpyAsync at 17-30 us there against ~9 us per kernel launch; this times it unprofiled).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 import torch
 from results_json import base_meta, write_results
 
-STAGES = ("bare", "ray", "service", "run")
+STAGES = ("bare", "busy", "ray", "service", "run")
 
 
 def _calls(device: torch.device) -> dict:
@@ -33,7 +36,17 @@ def _calls(device: torch.device) -> dict:
     source = torch.arange(64, dtype=torch.int64, device=device)
     host = torch.arange(64, dtype=torch.int64)
     rows = torch.arange(64 * 128, dtype=torch.int64, device=device).view(128, 64)
-    return {"zero_": small.zero_, "copy_ device": lambda: small.copy_(source),
+    # a B=1 decode layer's q, k, v (Hq 32, Hk 8, D 128) into a graph's packed buffer: three copies or one cat
+    q, k, v = (torch.zeros(1, h, 128, dtype=torch.bfloat16, device=device) for h in (32, 8, 8))
+    qkv = torch.zeros(1, 48, 128, dtype=torch.bfloat16, device=device)
+    qkv_q, qkv_k, qkv_v = qkv.split([32, 8, 8], dim=1)
+
+    def three_copies():
+        qkv_q.copy_(q)
+        qkv_k.copy_(k)
+        qkv_v.copy_(v)
+    return {"q|k|v: 3 copy_": three_copies, "q|k|v: cat": lambda: torch.cat([q, k, v], dim=1, out=qkv),
+            "out clone": lambda: q.clone(), "zero_": small.zero_, "copy_ device": lambda: small.copy_(source),
             "copy_ from host": lambda: small.copy_(host, non_blocking=True),
             "row view": lambda: rows[7], "empty": lambda: torch.empty(64, dtype=torch.int64, device=device),
             "tensor + to": lambda: torch.tensor([1, 2, 3], dtype=torch.int32).to(device, non_blocking=True),
@@ -42,9 +55,23 @@ def _calls(device: torch.device) -> dict:
             "cpu full 64K": lambda: torch.full((65536,), -1, dtype=torch.int64)}
 
 
-def time_calls(device: torch.device, n: int, repeats: int = 5) -> dict[str, float]:
-    """Microseconds per call, the median of ``repeats`` batches of ``n`` calls (the device synced after each)."""
+def _busy(device: torch.device):
+    """Enqueue ~20 ms of GPU work (bf16 matmuls) and return at once; a no-op on the CPU."""
+    if device.type != "cuda":
+        return lambda: None
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+
+    def busy():
+        for _ in range(20):
+            torch.matmul(a, a)
+    return busy
+
+
+def time_calls(device: torch.device, n: int, repeats: int = 5, busy: bool = False) -> dict[str, float]:
+    """Microseconds per call, the median of ``repeats`` batches of ``n`` calls (the device synced after each);
+    ``busy``: each batch made while the GPU runs work enqueued before it."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    load = _busy(device) if busy else (lambda: None)
     out = {}
     for name, call in _calls(device).items():
         for _ in range(10):
@@ -52,6 +79,7 @@ def time_calls(device: torch.device, n: int, repeats: int = 5) -> dict[str, floa
         sync()
         batches = []
         for _ in range(repeats):
+            load()
             t0 = time.perf_counter()
             for _ in range(n):
                 call()
@@ -96,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     n = 200 if args.smoke else args.calls
-    rows = {"bare": time_calls(device, n)}
+    rows = {"bare": time_calls(device, n), "busy": time_calls(device, min(n, 400), busy=True)}
     from cpattn.cluster.service import ensure_ray
 
     ensure_ray(None, "cpattn", num_cpus_hint=1 if device.type == "cuda" else 0.25)
