@@ -345,6 +345,8 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             # The slowest opening and step measured: a run's start or a segment's planned step (a decode loop's
             # latency spikes), which a mean spreads out
             "begin_ms_max": 1e3 * max(begins), "step_ms_max": 1e3 * max(walls),
+            # The caller's time inside one attend call: above the kernel's time per layer, the host sets the pace
+            "attend_ms_per_layer": 1e3 * statistics.fmean(t["data_plane_s"] for t in timings) / layers,
             # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
             "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
             "prefill_wire": svc.config.prefill_wire, "pcp_wire_flops_per_byte": svc.config.pcp_wire_flops_per_byte}

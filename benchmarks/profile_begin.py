@@ -170,7 +170,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
         warmed += 1
     # Timed without any profiler (cProfile and torch.profiler tripled the phases of session 9's first run), then
     # as many steps again under the profilers, for their tops only.
-    walls, begins, ends, parts, starts = [], [], [], [], []
+    walls, begins, ends, parts, starts, attends = [], [], [], [], [], []
     with GcPauses() as pauses:
         measured = [_step(svc, request, layers, q, k, v, None, pauses) for _ in range(steps)]
     profile = cProfile.Profile()
@@ -187,6 +187,7 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
         walls.append(wall)
         begins.append(step.timings["begin_s"])
         ends.append(step.timings.get("end_s", 0.0))
+        attends.append(step.timings["data_plane_s"])
         parts.append(dict(step.timings["begin_parts"]))
         starts.append("begin_rpc" in step.timings["begin_parts"])   # this step asked the coordinator
     if tracer is not None:
@@ -206,6 +207,9 @@ def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, t
            "step_ms": 1e3 * statistics.fmean(walls), "step_ms_median": 1e3 * statistics.median(walls),
            # the end of the step (the device waited for, the commit sent): a cost moved out of opening shows here
            "end_ms_per_step": 1e3 * statistics.fmean(ends),
+           # the caller's time inside one attend call (q|k|v in, the layer launched, its output): above the kernel's
+           # time per layer, the host sets the pace
+           "attend_ms_per_layer": 1e3 * statistics.fmean(attends) / layers,
            # the garbage collector's pauses inside the openings, per step (by generation)
            "gc_ms_per_open": {str(g): 1e3 * t / steps for g, t in pauses.seconds.items()},
            "phases_ms_per_step": _phase_means(parts), "phases_ms_run_start": _phase_means(firsts),
@@ -345,7 +349,8 @@ def _fmt_service(r: dict) -> str:
             f"{_ms(r['begin_ms_run_start']):>9} {_ms(r['begin_ms_later']):>7} {r['end_ms_per_step']:>7.3f} "
             f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}"
             f"\n{'':>72}later steps: {r['steady_steps']} steady {_ms(r['begin_ms_steady'])} ms, "
-            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms"
+            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms; slowest opening {_ms(r['begin_ms_max'])} ms; "
+            f"attend {r['attend_ms_per_layer']:.3f} ms/layer on the host"
             f"\n{'':>72}gc in opening, ms/step by generation: "
             + " ".join(f"{g}: {t:.3f}" for g, t in r["gc_ms_per_open"].items()))
 

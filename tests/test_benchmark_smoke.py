@@ -33,6 +33,7 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["begin_ms_per_step"] <= r["begin_ms_max"] < r["step_ms_max"] and r["step_ms"] <= r["step_ms_max"], r
+        assert 0 < r["attend_ms_per_layer"] < r["ms_per_layer"], r
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
         if r["case"].startswith("decode"):   # whole segments of one extended run: no begin_step while measured
             n = r["decode_run_steps"]
@@ -125,7 +126,7 @@ def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
     for r in result["service"]:
         assert r["steps"] == 8 and r["run_starts"] == 0 and r["decode_run_extend"], r   # two segments of 4, one run
         assert r["begin_ms_run_start"] is None and 0 < r["begin_ms_later"] < r["step_ms"], r
-        assert r["begin_ms_per_step"] <= r["begin_ms_max"], r
+        assert r["begin_ms_per_step"] <= r["begin_ms_max"] and 0 < r["attend_ms_per_layer"] * r["layers"] < r["step_ms"], r
         # no graphs on the CPU: every later step is planned, each segment's first two as the rest
         assert r["planned_steps"] == 8 and r["steady_steps"] == 0 and r["begin_ms_planned"] > 0, r
         phases = r["phases_ms_per_step"]
