@@ -349,8 +349,8 @@ def _fmt_service(r: dict) -> str:
             f"{_ms(r['begin_ms_run_start']):>9} {_ms(r['begin_ms_later']):>7} {r['end_ms_per_step']:>7.3f} "
             f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}"
             f"\n{'':>72}later steps: {r['steady_steps']} steady {_ms(r['begin_ms_steady'])} ms, "
-            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms; slowest opening {_ms(r['begin_ms_max'])} ms; "
-            f"attend {r['attend_ms_per_layer']:.3f} ms/layer on the host"
+            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms; "
+            f"slowest opening {_ms(r['begin_ms_max'])} ms; attend {r['attend_ms_per_layer']:.3f} ms/layer on the host"
             f"\n{'':>72}gc in opening, ms/step by generation: "
             + " ".join(f"{g}: {t:.3f}" for g, t in r["gc_ms_per_open"].items()))
 

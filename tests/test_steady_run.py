@@ -25,7 +25,8 @@ from cpattn.cluster.step_planner import table_gatherer  # noqa: E402
 from cpattn.kvstore.run_growth import grow_decode_run  # noqa: E402
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator  # noqa: E402
 from cpattn.cluster.decode_run_plans import plan_decode_run  # noqa: E402
-from test_decode_host_refill import BLOCK, BLOCKS, _buffers, _decode_run, _planned_buffers, _runner, no_capture  # noqa: E402,F401,E501
+from test_decode_host_refill import (BLOCK, BLOCKS, _buffers, _decode_run, _planned_buffers,  # noqa: E402,F401
+                                     _runner, no_capture)
 
 
 def _case(seed: int, shards: int, local: tuple[int, ...], interleave: int, replicas: int, kv: str,

@@ -4,10 +4,11 @@ shard_runs.py).
 At the second step of each segment of its run (the steps begin_step gave, then each extension's), the client asks
 for the next segment without waiting: ``extend_run`` with twice the segment's steps, up to decode_run_steps (asked
 that early, even a 4-step segment leaves the coordinator a few steps' time; the pages are held a segment sooner).
-At the segment's last step, before committing it, it reads the answer (there by then): with steps, the run goes
-on with them (its block tables from the answer's deltas; its first step planned, its later ones steady from the
-previous segment's template, cluster/steady_run.py); without (not granted, or not there within EXTENSION_WAIT_S), the run ends there as it would have, END to its
-remote shards, and the coordinator undoes what it added when the run's last commit says it ends.
+At the segment's last step, before committing it, it reads the answer (there by then). With steps, the run goes
+on with them: its block tables from the answer's deltas, its first step planned, its later ones steady from the
+previous segment's template (cluster/steady_run.py). Without (not granted, or not there within EXTENSION_WAIT_S),
+the run ends there as it would have, END to its remote shards, and the coordinator undoes what it added when the
+run's last commit says it ends.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A decode run's steps differ only by one token per sequence. Its first step copies pages on write and may capture
 graphs, its second is planned as any later step; when every in-process shard replays its captured graphs in that
 second step, the run's rows of every step (each shard's slots, key counts, replica slots, and the pages dynamic fp8
-scales grow) go to the device at once, laid out as the graphs' step buffers are in their arena (row_arena.py), and
-each later step opens with one device-to-device copy into them and the second step's wire under the step's id. Planning a later step (its plans built from the
-run's arrays, the builder's ~15 small device copies and fills, the wire) cost 0.36-0.5 ms of the caller's time per
-step on an H200 host, most of it small torch operations at tens of microseconds each.
+scales grow) go to the device at once, laid out as the graphs' step buffers are in their arena (row_arena.py),
+and each later step opens with one device-to-device copy into them and the second step's wire under the step's id.
+Planning a later step (its plans built from the run's arrays, the builder's ~15 small device copies and fills, the
+wire) cost 0.36-0.5 ms of the caller's time per step on an H200 host, most of it small torch operations.
 An extension's steps (cluster/run_extension.py) open from the previous segment's template once their first step was
 planned (that step brings the graphs the extension's table): a segment boundary plans one step, not two.
 A step whose bucket is not the captured one (more KV splits as sequences grow) or whose rows differ (a shard
