@@ -11,6 +11,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+def _steady(parts: dict) -> bool:
+    """A step opened from its run's rows (steady_run.SteadyRun.open), not planned."""
+    return "steady" in parts and "run_next" not in parts
+
+
 @pytest.mark.parametrize("kv, interleave, replicas, window", [
     ("auto", 1, 1, None), ("auto", 16, 2, None), ("fp8_e4m3", 16, 1, None), ("fp8_e4m3", 1, 2, None),
     ("auto", 16, 1, [None, 300]), ("fp8_e4m3", 1, 1, [700, 64])])
@@ -32,12 +37,19 @@ def test_steady_decode_steps_match_float64(ray_session, kv, interleave, replicas
         # a: 2030 keys, ~1015 a shard: the decodes cross 1024 keys on each (another split count: a planned step)
         decode = {a: 1, b: 1, c: 1}
         steps = [{a: 1000, b: 200}, {a: 1030, b: 17, c: 130}] + [decode] * 24 + [{a: 1, b: 30, c: 1}] + [decode] * 20
-        steady = starts = 0
+        starts, opened = 0, []
         for n, request in enumerate(steps):
             step = relative_step(svc, oracle, request, bound, f"{kv} I={interleave} r{replicas} W={window} step {n}")
             parts = step.timings["begin_parts"]
-            steady += "steady" in parts and "run_next" not in parts   # opened from the run's rows
+            opened.append(parts)
             starts += "begin_rpc" in parts
+        served = [_steady(p) for p in opened]   # opened from the run's rows
+        steady = sum(served)
+        # An extension's first step is planned and makes the SteadyRun of its later steps from the previous segment's
+        # template: steady before it and right after it (a run's second step makes its own: a run start before it)
+        reused = sum(1 for j in range(1, len(opened) - 1)
+                     if "steady_rows" in opened[j] and served[j - 1] and served[j + 1])
+        assert reused >= 2, [sorted(p) for p in opened]
         # runs of 4, 8 and 12 of 16, then (after the mixed step) 4, 8 and 8 of 16: all but each run's first two
         # steps and each extension's first (38), less a step per split bucket crossed
         assert steady >= 28, steady
@@ -72,8 +84,7 @@ def test_forks_steady_steps_match_float64(ray_session, interleave):
         steady = 0
         for n in range(30):
             step = relative_step(svc, oracle, {f: 1 for f in forks}, 2e-2, f"I={interleave} forks step {n}")
-            parts = step.timings["begin_parts"]
-            steady += "steady" in parts and "run_next" not in parts
+            steady += _steady(step.timings["begin_parts"])
         for local in svc.gateway.local_graphs.values():   # the graphs hold the prefix pass
             assert local is not None and local.key is not None and local.key[4] is not None, local and local.key
         assert steady >= 20, steady   # all but the run's first two steps and each extension's first
