@@ -108,8 +108,11 @@ class DecodeGraphs:
     def step_rows(self, slots: torch.Tensor, kv_lens: torch.Tensor, window_starts: dict[int, torch.Tensor],
                   replica: torch.Tensor | None, written: WrittenPages | None) -> list[torch.Tensor]:
         """Decode steps' values ([S, ...] each) of the buffers in ``arena``, in its buffers' order (``arena.pack``)."""
-        rows = self.runner.builder.step_rows(slots, kv_lens, window_starts)
-        return rows + ([replica] if self.replica is not None else []) + (list(written) if self.written is not None
+        return self._with_writes(self.runner.builder.step_rows(slots, kv_lens, window_starts), replica, written)
+
+    def _with_writes(self, own: list, replica, written) -> list:
+        """The arena's order: the builder's buffers, then replica slots and written pages where the bucket has them."""
+        return own + ([replica] if self.replica is not None else []) + (list(written) if self.written is not None
                                                                         else [])
 
     def _pack_step_buffers(self) -> RowArena | None:
@@ -119,8 +122,7 @@ class DecodeGraphs:
         if not all(hasattr(builder, h) for h in ("step_row_buffers", "with_step_row_buffers", "step_rows")):
             return None
         own = builder.step_row_buffers(self.static)
-        arena = RowArena(own + ([self.replica] if self.replica is not None else [])
-                         + (list(self.written) if self.written is not None else []))
+        arena = RowArena(self._with_writes(own, self.replica, self.written))
         self.static = builder.with_step_row_buffers(self.static, arena.views[:len(own)])
         rest = arena.views[len(own):]
         if self.replica is not None:
