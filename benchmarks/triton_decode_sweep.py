@@ -11,7 +11,8 @@ default configuration (fp8 e4m3 <= 0.6x bf16, a 4,096-key window <= 0.05 ms), an
 
     python benchmarks/triton_decode_sweep.py --fp8-sweep [--seconds 100] [--json PATH]
 The fp8 cache's own configuration (triton_decode.CONFIG_OVERRIDES["fp8"]): kernel variants (page-wise tile loads,
-prefetch, float16 dots, V scaled first; then triton_decode_heads.py's H kv heads per program), tilings and split
+prefetch, float16 dots, V scaled first; triton_decode_fp8_mma.py's e4m3 tensor-core dots; triton_decode_heads.py's H kv
+heads per program), tilings and split
 factors, staged within ``--seconds``, at B=1 over 1M keys and B=64 over 32K keys (outlier data, each candidate checked
 against float64: rel < 1e-1), against the bf16 kernel's time on the same data. Prints the winner, its ratio to bf16
 and the line to paste; writes triton_fp8_sweep.json. With ``--smoke`` (and TRITON_INTERPRET=1, no GPU): the first
@@ -170,6 +171,11 @@ HEADS_CANDIDATES = ((4, 64, 4, 1, True), (8, 32, 8, 1, True), (4, 128, 4, 1, Tru
 programs per SM; f16 dots (one cvt per two fp8 values; bf16 needs three: >= 0.75 ms of conversions at 1M). On
 2026-12-01 (nvidia-h200) one stage beat two to four at every tiling where both ran (4 heads, 64 keys: 0.856 vs 0.921 ms
 at 1M; adopted) and bf16 dots lost everywhere (1.48x bf16): the candidates are now one-stage shapes around it."""
+MMA_CANDIDATES = ((64, 8, 1), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3), (128, 8, 2), (32, 4, 1), (64, 8, 2))
+"""triton_decode_fp8_mma.py's kernel (fp8 e4m3 tensor-core dots, M = 64 rows): (keys per tile, warps, stages). Compiled
+for sm_90 on the CPU box (ptxas -v): 4 warps spill at 64-128 keys with one or two stages (255 registers), 8 warps do
+not; stages >= 2 load the tiles by cp.async."""
+MMA_TILINGS = ((64, 8, 2), (32, 8, 2), (128, 8, 3), (32, 4, 2), (64, 4, 2))
 ONE_HEAD_TILINGS = ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3),
                     (128, 8, 3), (64, 2, 2))
 HEADS_TILINGS = ((128, 4, 1), (32, 4, 1), (64, 8, 1), (128, 8, 1), (64, 2, 1), (32, 4, 2), (16, 8, 3))
@@ -219,7 +225,8 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = F
 
     rows, seen = [], set()
     from cpattn.attention.backends.triton_decode_heads import _paged_decode_heads_kernel
-    jits = (tk._paged_decode_kernel, _paged_decode_heads_kernel)
+    from cpattn.attention.backends.triton_decode_fp8_mma import _paged_decode_fp8_mma_kernel
+    jits = (tk._paged_decode_kernel, _paged_decode_heads_kernel, _paged_decode_fp8_mma_kernel)
     for jit in jits:
         new_kernel_stats(jit, seen)
 
@@ -244,15 +251,17 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = F
     # so the bf16-dot ones, least likely to meet the goal, come after the heads kernel's when the budget runs short
     variants = [dict(base, page_tiles=p, fp8_v_scaled=v, fp8_f16_dot=h)
                 for h, p, v in itertools.product((True, False), repeat=3)]
-    stage([base] + [c for c in variants if c["fp8_f16_dot"]])
+    stage([base] + [c for c in variants if c["fp8_f16_dot"]][:2])
+    stage([dict(base, fp8_mma=True, block_n=n, num_warps=w, num_stages=st) for n, w, st in MMA_CANDIDATES])
+    stage([c for c in variants if c["fp8_f16_dot"]][2:])
     stage([dict(base, heads_per_program=h, block_n=n, num_warps=w, num_stages=st, fp8_f16_dot=f16)
            for h, n, w, st, f16 in HEADS_CANDIDATES])
     stage([c for c in variants if not c["fp8_f16_dot"]])
     stage([dict(best()["cfg"], prefetch=True)] if not best()["cfg"]["heads_per_program"] else [])
-    flags = {k: best()["cfg"][k]
-             for k in ("page_tiles", "prefetch", "fp8_f16_dot", "fp8_v_scaled", "heads_per_program")}
-    stage([dict(base, **flags, block_n=n, num_warps=w, num_stages=st)
-           for n, w, st in (HEADS_TILINGS if flags["heads_per_program"] else ONE_HEAD_TILINGS)])
+    flags = {k: best()["cfg"].get(k, False)
+             for k in ("page_tiles", "prefetch", "fp8_f16_dot", "fp8_v_scaled", "heads_per_program", "fp8_mma")}
+    tilings = (MMA_TILINGS if flags["fp8_mma"] else HEADS_TILINGS if flags["heads_per_program"] else ONE_HEAD_TILINGS)
+    stage([dict(base, **flags, block_n=n, num_warps=w, num_stages=st) for n, w, st in tilings])
     top = best()["cfg"]
     stage([dict(top, split_factor=f) for f in (2, 0.5, 4)] + [dict(top, num_stages=1)])
     screened = sorted((r for r in rows if r.get("valid")), key=lambda r: r["b1_1m_ms"])
@@ -278,8 +287,8 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = F
 
 
 def _fp8_row_text(row: dict) -> str:
-    cfg = {k: row["cfg"][k] for k in ("block_n", "num_warps", "num_stages", "page_tiles", "prefetch", "fp8_f16_dot",
-                                      "fp8_v_scaled", "split_factor", "heads_per_program")}
+    cfg = {k: row["cfg"].get(k) for k in ("block_n", "num_warps", "num_stages", "page_tiles", "prefetch", "fp8_f16_dot",
+                                          "fp8_v_scaled", "split_factor", "heads_per_program", "fp8_mma")}
     if "error" in row:
         return f"{cfg} error {row['error']}"
     if "b1_1m_ms" not in row:

@@ -30,7 +30,13 @@ HEADS = [dict(heads_per_program=8, block_n=16, num_warps=8, num_stages=4, fp8_f1
          dict(heads_per_program=4, block_n=64, num_stages=1, fp8_f16_dot=True),   # adopted 2026-12-01
          dict(heads_per_program=2, block_n=64, num_warps=2, num_stages=1, fp8_f16_dot=True),
          dict(heads_per_program=4, block_n=128, num_warps=4, num_stages=1, fp8_f16_dot=True)]
-VARIANTS += HEADS + [dict(block_n=64, num_stages=1, page_tiles=True, prefetch=True)]   # query groups' adopted one
+# triton_decode_fp8_mma.py (e4m3 plain decodes only; e5m2 and query groups take the kernels above): the sweep's
+# MMA_CANDIDATES' shapes
+MMA = [dict(fp8_mma=True, block_n=64, num_warps=8, num_stages=1), dict(fp8_mma=True, block_n=32, num_warps=4,
+                                                                        num_stages=3),
+       dict(fp8_mma=True, block_n=64, num_warps=4, num_stages=3), dict(fp8_mma=True, block_n=128, num_warps=8,
+                                                                       num_stages=2, split_factor=0.5)]
+VARIANTS += HEADS + MMA + [dict(block_n=64, num_stages=1, page_tiles=True, prefetch=True)]   # query groups' adopted
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
@@ -50,11 +56,12 @@ def test_variant_matches_float64(variant, fmt, monkeypatch):
         assert rel(out, exact) < (2e-2 if fmt is None else 1e-1), (world, rel(out, exact))
 
 
-@pytest.mark.parametrize("variant", HEADS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("variant", HEADS + MMA[:2], ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
 @pytest.mark.parametrize("window, cap, fmt", [(None, None, "fp8_e5m2"), (1000, 30.0, "fp8_e4m3"),
                                               (37, None, "fp8_e5m2")])
 def test_heads_kernel_features_match_float64(variant, window, cap, fmt, monkeypatch):
-    """The heads kernel under windows (mid-page starts), soft caps and fp8 e5m2, one shard and two."""
+    """The heads kernel (and the fp8-dot one: e4m3 rows) under windows (mid-page starts), soft caps and fp8 e5m2, one
+    shard and two."""
     from cpattn.attention.backends import triton_decode
 
     monkeypatch.setattr(triton_decode, "CONFIG_OVERRIDES", {"fp8": dict(variant), "query_groups": {}})

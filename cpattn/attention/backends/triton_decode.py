@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cpattn.attention.backends.triton_decode_fp8_mma import fp8_mma_serves, launch_fp8_mma
 from cpattn.attention.backends.triton_decode_heads import heads_per_program, launch_heads
 from cpattn.attention.backends.triton_tiles import (f16_query, feature_args, kv_tile, kv_tile_pages,
                                                     online_softmax_tile)
@@ -147,9 +148,12 @@ def _num_sms(device: torch.device) -> int:
 # tile's math; split_factor: S times this at launch (the plan's S is chosen before the cache dtype is known);
 # fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED);
 # heads_per_program: H > 0 runs triton_decode_heads.py's kernel (H kv heads per program, 3-D tiles, one warp per head
-# when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel.
+# when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel; fp8_mma: an e4m3 cache's
+# plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core dots, no conversion of the cache; it takes
+# precedence over heads_per_program).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
-                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0)
+                     page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
+                     fp8_mma=False)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -221,7 +225,8 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(d)
     cfg = decode_config(fp8=kv_scale is not None, query_groups=queries > 1)
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
-    heads = heads_per_program(cfg, hk, ps, block_n, queries)
+    mma = fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
+    heads = 0 if mma else heads_per_program(cfg, hk, ps, block_n, queries)
     splits = launch_splits(splits * max(heads, 1), cfg)   # as many programs as the one-head grid's
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
@@ -236,6 +241,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
     if splits == 1 and into_rows is None:
+        if mma:
+            launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
+            return
         if heads:
             launch_heads(heads, splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
             return
@@ -246,7 +254,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows_out = num_tok * queries
     part_out = torch.empty(splits, rows_out, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, rows_out, hq, dtype=torch.float32, device=q_TQD.device)
-    if heads:
+    if mma:
+        launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
+    elif heads:
         launch_heads(heads, splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
     else:
         _paged_decode_kernel[grid](*args_head, part_out, part_lse, *strides_in,

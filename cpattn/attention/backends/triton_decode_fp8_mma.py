@@ -1,0 +1,195 @@
+"""The TRITON paged decode of an fp8 e4m3 cache with fp8 tensor-core dots: issue 22's speed candidate (DECODE_CONFIG
+fp8_mma).
+
+Legend: T tokens, Q query heads, K kv heads, G = Q / K, D head size, PS tokens per page, M the tile's rows.
+
+Why: the other fp8 kernels convert every cached value to 16 bits before their dots (fp8 -> f16 one cvt per two values,
+~4.2T cvt/s on an H200), and their M = 16 tiles compile to mma.sync, which on SM90 has no fp8 form in Triton: at 1M
+keys they read half of bf16's bytes in 0.81-0.84x its time. Here a program's tile has M = 64 rows (G of them real), so
+Triton 3.6 emits SM90's wgmma with e4m3 operands (m64nNk32) and K / V feed the dots as they are stored: no conversion
+of the cache at all, and a dot's B operand read from shared memory.
+
+Precision: a dot's operands are both e4m3, so each 16-bit operand is split in two e4m3 parts, hi = e4m3(x) and lo =
+e4m3(x - hi), and each dot is two dots summed in float32 (accumulators of one layout: the sum is free). hi + lo carries
+~8 mantissa bits, bf16's; tensor-core time is not what bounds a decode (60 of 64 rows are padding anyway).
+- q: each row times a power of two that puts its largest |value| in [2^7, 2^8) (e4m3's largest is 448); the logit
+  scales come back per row divided by it (exact), as triton_tiles.f16_query does for f16.
+- P: each tile's probabilities against the tile's own row max (so in [0, 1] with a 1 in every row that sees a key),
+  times V's page scale over the tile's largest (powers of two <= 1), times 2^8; the tile max's offset to the running
+  max, the V scale and 2^-8 go on the PV dot's float32 result. Probabilities below ~2^-17 of their tile's largest
+  are dropped from the PV sum (not from the normaliser l, which uses the float32 probabilities).
+
+Tiles start on pages (PS a power of two dividing BLOCK_N: one block-table entry and one scale per page); a window's
+keys before its first are masked, the pages wholly before it never read. Plain decodes only (one query per program).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3 = torch.float8_e4m3fn
+MMA_ROWS = 64           # wgmma's M per warpgroup: fewer rows compile to mma.sync through f16
+
+
+@triton.jit
+def e4m3_split(x):
+    """x (float32, |x| <= 448) as hi + lo, both e4m3: hi = e4m3(x), lo = e4m3(x - hi)."""
+    hi = x.to(tl.float8e4nv)
+    lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo
+
+
+@triton.jit
+def _round_to_e4m3_bits(x):
+    """float32 x rounded (half away from zero) to e4m3's 4 significant bits, in float32: exact in e4m3 when normal,
+    so the split below does not depend on how a conversion rounds (Triton's interpreter: 125.5 -> 64)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x80000) & -0x100000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_query(q, scale_log2, cap_in):
+    """q's rows split in e4m3 hi + lo, each row scaled by a power of two so its largest |value| is in [2^7, 2^8); the
+    logit scales per row ([M, 1]) divided by that power of two (exact). hi + lo is exact for bf16 values (hi keeps 4
+    significant bits, the remainder at most 4 more), down to e4m3's normals (2^-6, here 2^-14 of the row's largest)."""
+    amax = tl.max(tl.abs(q), 1)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF                    # amax in [2^(e-127), 2^(e-126))
+    up = tl.minimum(tl.maximum(261 - e, 1), 253)                           # 2^(134 - e): biased exponent, clamped
+    grow = (up << 23).to(tl.float32, bitcast=True)
+    undo = ((254 - up) << 23).to(tl.float32, bitcast=True)                 # 1 / grow, exactly
+    x = q * grow[:, None]
+    hi = _round_to_e4m3_bits(x)
+    lo = _round_to_e4m3_bits(x - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), scale_log2 * undo[:, None], cap_in * undo[:, None]
+
+
+@triton.jit
+def _page_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, first, end, kh,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div,
+               offs_d, d_mask, PS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K, V [BLOCK_N, BLOCK_D] (e4m3) of keys [n, n + BLOCK_N) (n on a page), the key mask (first <= key < end), K's
+    page scales per key, V's over the tile's largest per key, and that largest."""
+    offs_p = tl.arange(0, BLOCK_N // PS)
+    p_mask = n + offs_p * PS < end
+    page_p = tl.load(bt_row + n // PS + offs_p, mask=p_mask, other=0).to(tl.int64)
+    page = tl.reshape(tl.broadcast_to(page_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+    pos = n + tl.arange(0, BLOCK_N)
+    n_mask = (pos < end) & (pos >= first)
+    within = (pos % PS).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + (page * stride_kb + within * stride_ks + kh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + (page * stride_vb + within * stride_vs + kh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    srow = (page_p // scale_div) * stride_sp + kh
+    ks_p = tl.load(ks_ptr + srow, mask=p_mask, other=0.0)
+    vs_p = tl.load(vs_ptr + srow, mask=p_mask, other=0.0)
+    v_top = tl.max(vs_p, 0)
+    v_rel = vs_p / tl.where(v_top > 0.0, v_top, 1.0)                   # exact: powers of two (or 0: unused pages)
+    k_scale = tl.reshape(tl.broadcast_to(ks_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+    v_scale = tl.reshape(tl.broadcast_to(v_rel[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
+    return k, v, k_scale, v_scale, v_top, n_mask
+
+
+@triton.jit
+def _paged_decode_fp8_mma_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, tok_ptr, req_ptr, klen_ptr, kstart_ptr, ks_ptr, vs_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_sp, scale_div,
+    stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
+    scale_log2, cap_in, cap_out,
+    G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    tok = tl.load(tok_ptr + i).to(tl.int64)
+    req = tl.load(req_ptr + i).to(tl.int64)
+    kv_len = tl.load(klen_ptr + i)
+    if WINDOW:
+        first = tl.load(kstart_ptr + i)
+    else:
+        first = 0
+    base = first - first % PS            # tiles start on pages; the window's keys before ``first`` are masked
+    num_keys = tl.maximum(kv_len - base, 0)
+    chunk = tl.cdiv(tl.cdiv(num_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = base + s * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_m < G
+    d_mask = offs_d < D
+    heads = kh * G + offs_m
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q_hi, q_lo, row_scale, row_cap = e4m3_query(q, scale_log2, cap_in)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    for n in range(start, end, BLOCK_N):
+        k, v, k_scale, v_scale, v_top, n_mask = _page_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, first, end, kh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N)
+        k_t = tl.trans(k)
+        raw = (tl.dot(q_hi, k_t) + tl.dot(q_lo, k_t)) * k_scale[None, :]
+        if SOFTCAP:
+            qk = (1.0 - 2.0 / (tl.exp2(raw * row_cap) + 1.0)) * cap_out
+        else:
+            qk = raw * row_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        t_max = tl.max(qk, 1)
+        t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)   # a window may hide a whole tile
+        m_new = tl.maximum(m_i, t_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - t_safe[:, None])                        # [0, 1], 1 at the tile's own max
+        alpha = tl.exp2(m_i - m_safe)
+        lift = tl.exp2(t_safe - m_safe)                          # the tile's max against the running max
+        l_i = l_i * alpha + tl.sum(p, 1) * lift
+        p_hi, p_lo = e4m3_split(p * (v_scale * 256.0)[None, :])
+        pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        acc = acc * alpha[:, None] + pv * (lift * (v_top * 0.00390625))[:, None]
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if DIRECT:
+        row = tok
+    else:
+        row = i.to(tl.int64)
+    o_rows = out_ptr + s * stride_os + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + s * stride_ls + row * stride_lt + heads, lse, mask=g_mask)
+
+
+def fp8_mma_serves(cfg: dict, k_cache: torch.Tensor, kv_scale, page_size: int, block_n: int, queries: int) -> bool:
+    """Whether this launch takes the fp8-dot kernel: the configuration asks (fp8_mma), the cache is e4m3 with per-page
+    scales, one query per program, and tiles can start on pages (PS a power of two dividing BLOCK_N >= 32, the PV
+    dot's k)."""
+    return (bool(cfg.get("fp8_mma")) and kv_scale is not None and k_cache.dtype == E4M3 and queries == 1
+            and page_size & (page_size - 1) == 0 and block_n % page_size == 0 and block_n >= 32)
+
+
+def launch_fp8_mma(splits: int, grid_tokens: int, args_head: tuple, strides_in: tuple, logit_args: list,
+                   out: torch.Tensor, lse: torch.Tensor, direct: bool, common: dict) -> None:
+    """One launch over (tokens, K, splits); ``out`` / ``lse`` the output rows (direct) or the split partials
+    [S, T, Q, D] / [S, T, Q]. ``common``: triton_decode's constexprs and launch options."""
+    hk = args_head[1].shape[2]
+    opts = {k: common[k] for k in ("G", "D", "PS", "BLOCK_D", "BLOCK_N", "WINDOW", "SOFTCAP", "num_warps",
+                                   "num_stages")}
+    out_strides = (0, out.stride(0), out.stride(1)) if direct else (out.stride(0), out.stride(1), out.stride(2))
+    lse_strides = (0, lse.stride(0)) if direct else (lse.stride(0), lse.stride(1))
+    _paged_decode_fp8_mma_kernel[(grid_tokens, hk, splits)](
+        *args_head, out, lse, *strides_in, *out_strides, *lse_strides, *logit_args,
+        BLOCK_M=max(MMA_ROWS, triton.next_power_of_2(common["G"])), DIRECT=direct, **opts)
