@@ -1,8 +1,8 @@
-"""The fp8 tensor-core decode kernel (triton_decode_fp8_mma.py, DECODE_CONFIG fp8_mma: issue 22's speed candidate)
+"""The fp8 tensor-core decode kernel (triton_decode_fp8_mma.py, DECODE_CONFIG fp8_mma: issue 22's speed candidate, off)
 against float64, through Triton's interpreter on the CPU: an e4m3 cache at random pages, GQA, odd lengths, an empty
 row, split and direct outputs, windows with a soft cap, V pages 2^40 apart, queries far outside e4m3's range, and the
-fallbacks (e5m2 caches, pages that tiles cannot start on). The precision bound is the one the kernel is built for:
-its e4m3 hi + lo operands carry ~8 mantissa bits, so the error sits near bf16's, not fp8's.
+fallbacks (e5m2 caches, pages that tiles cannot start on). The bound is the f16-dot kernels': q's e4m3 hi + lo holds
+bf16 queries exactly.
     TRITON_INTERPRET=1 PYTHONPATH=. <python with torch, triton> -m pytest tests/test_triton_decode_fp8_mma_interpret.py
 """
 
@@ -23,11 +23,9 @@ from tests.test_triton_decode_heads_interpret import (D, LENS, PAGES, _case, _de
                                                        _reference)
 
 MMA = dict(fp8_mma=True, block_n=32)
-# e4m3 hi + lo operands: exact for bf16 queries (the logits, so the LSE, as exact as f16 dots'), ~2^-9 for the
-# probabilities. The outputs' bound is looser here than on a GPU: Triton 3.6's interpreter does not round float32 ->
-# e4m3 to nearest (125.5 -> 64; the GPU's cvt.rn does), so the probabilities' hi + lo loses bits
-# (tests/gpu/test_decode_variants_gpu.py holds the kernel to the bf16 bound on the device).
-MMA_TOL = 1e-2
+# q's e4m3 hi + lo: exact for bf16 queries (so the logits and the LSE are as exact as f16 dots'); the PV dot in
+# float16, as the f16-dot kernels'.
+MMA_TOL = 2e-3
 LSE_TOL = 2e-3
 
 

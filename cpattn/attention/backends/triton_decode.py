@@ -149,8 +149,8 @@ def _num_sms(device: torch.device) -> int:
 # fp8_v_scaled: an fp8 V tile scaled and converted before the PV dot (online_softmax_tile's V_SCALED);
 # heads_per_program: H > 0 runs triton_decode_heads.py's kernel (H kv heads per program, 3-D tiles, one warp per head
 # when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel; fp8_mma: an e4m3 cache's
-# plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core dots, no conversion of the cache; it takes
-# precedence over heads_per_program).
+# plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
+# precedence over heads_per_program; measured slower, off).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
                      fp8_mma=False)

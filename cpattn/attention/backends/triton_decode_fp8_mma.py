@@ -1,23 +1,26 @@
-"""The TRITON paged decode of an fp8 e4m3 cache with fp8 tensor-core dots: issue 22's speed candidate (DECODE_CONFIG
-fp8_mma).
+"""The TRITON paged decode of an fp8 e4m3 cache with fp8 tensor-core dots for q.K: a speed candidate of issue 22
+(DECODE_CONFIG fp8_mma; off: measured slower, see below).
 
 Legend: T tokens, Q query heads, K kv heads, G = Q / K, D head size, PS tokens per page, M the tile's rows.
 
-Why: the other fp8 kernels convert every cached value to 16 bits before their dots (fp8 -> f16 one cvt per two values,
-~4.2T cvt/s on an H200), and their M = 16 tiles compile to mma.sync, which on SM90 has no fp8 form in Triton: at 1M
-keys they read half of bf16's bytes in 0.81-0.84x its time. Here a program's tile has M = 64 rows (G of them real), so
-Triton 3.6 emits SM90's wgmma with e4m3 operands (m64nNk32) and K / V feed the dots as they are stored: no conversion
-of the cache at all, and a dot's B operand read from shared memory.
+Why it was tried: the other fp8 kernels convert every cached value to 16 bits before their dots (fp8 -> f16 one cvt per
+two values, ~4.2T cvt/s on an H200), and their M = 16 tiles compile to mma.sync, which on SM90 has no fp8 form in
+Triton: at 1M keys they read half of bf16's bytes in 0.81-0.84x its time. Here a program's tile has M = 64 rows (G of
+them real), so Triton 3.6 emits SM90's wgmma with e4m3 operands (m64nNk32) for q.K^T, and K feeds it as stored.
 
-Precision: a dot's operands are both e4m3, so each 16-bit operand is split in two e4m3 parts, hi = e4m3(x) and lo =
-e4m3(x - hi), and each dot is two dots summed in float32 (accumulators of one layout: the sum is free). hi + lo carries
-~8 mantissa bits, bf16's; tensor-core time is not what bounds a decode (60 of 64 rows are padding anyway).
-- q: each row times a power of two that puts its largest |value| in [2^7, 2^8) (e4m3's largest is 448); the logit
-  scales come back per row divided by it (exact), as triton_tiles.f16_query does for f16.
-- P: each tile's probabilities against the tile's own row max (so in [0, 1] with a 1 in every row that sees a key),
-  times V's page scale over the tile's largest (powers of two <= 1), times 2^8; the tile max's offset to the running
-  max, the V scale and 2^-8 go on the PV dot's float32 result. Probabilities below ~2^-17 of their tile's largest
-  are dropped from the PV sum (not from the normaliser l, which uses the float32 probabilities).
+Measured (2026-12-02, nvidia-h200, triton 3.6, benchmarks/fp8_mma_probe.py, B=1 over 1M keys, bf16 1.033 ms): correct
+(rel 2.1e-2 vs float64, the fp8 cache's own error) but 1.33 ms at best (64-key tiles, 4 warps, 1 stage; 1.29x bf16, the
+heads kernel's 0.855): the 64-row tiles' softmax and layout work cost more than the conversions they save. With the PV
+dot in e4m3 too (P split in hi + lo, V as stored) Triton 3.6 compiled it, but its outputs were NaN or wrong (rel 1.4-2.2)
+at every tiling, on the GPU only (the interpreter's were right): V is the PV dot's N-major B operand, which SM90's fp8
+wgmma does not take; that path is not kept. So the PV dot here is in float16 (V converted, as the other kernels do).
+
+Precision: q's rows are split in two e4m3 parts, hi + lo, each row first scaled by a power of two that puts its largest
+|value| in [2^7, 2^8) (e4m3's largest is 448), and q.K^T is two dots summed in float32 (accumulators of one layout: the
+sum is free); hi + lo holds bf16 queries exactly. The logit scales come back per row divided by that power of two
+(exact), as triton_tiles.f16_query does for f16. P: each tile's probabilities against the tile's own row max (so in
+[0, 1]), times V's page scale over the tile's largest (powers of two <= 1) and 2^8, in float16 for the PV dot; the
+tile max's offset to the running max, that largest V scale and 2^-8 go on the dot's float32 result.
 
 Tiles start on pages (PS a power of two dividing BLOCK_N: one block-table entry and one scale per page); a window's
 keys before its first are masked, the pages wholly before it never read. Plain decodes only (one query per program).
@@ -31,14 +34,6 @@ import triton.language as tl
 
 E4M3 = torch.float8_e4m3fn
 MMA_ROWS = 64           # wgmma's M per warpgroup: fewer rows compile to mma.sync through f16
-
-
-@triton.jit
-def e4m3_split(x):
-    """x (float32, |x| <= 448) as hi + lo, both e4m3: hi = e4m3(x), lo = e4m3(x - hi)."""
-    hi = x.to(tl.float8e4nv)
-    lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
-    return hi, lo
 
 
 @triton.jit
@@ -156,8 +151,9 @@ def _paged_decode_fp8_mma_kernel(
         alpha = tl.exp2(m_i - m_safe)
         lift = tl.exp2(t_safe - m_safe)                          # the tile's max against the running max
         l_i = l_i * alpha + tl.sum(p, 1) * lift
-        p_hi, p_lo = e4m3_split(p * (v_scale * 256.0)[None, :])
-        pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        # float16 PV (V the N-major B operand: SM90's e4m3 wgmma does not take it, see above)
+        # (times 2^8 into float16: 8 more bits before a page far below its tile's largest V scale reaches subnormals)
+        pv = tl.dot((p * (v_scale * 256.0)[None, :]).to(tl.float16), v.to(tl.float16))
         acc = acc * alpha[:, None] + pv * (lift * (v_top * 0.00390625))[:, None]
         m_i = m_new
 
