@@ -1,6 +1,9 @@
 """Merge the per-row JSON files of scripts/job_gpu.sh into one JSON and a markdown table for benchmarks/RESULTS.md.
 
     python3 examples/job_rows.py ROWS_DIR OUT.json ROW [ROW ...]      # writes OUT.json and OUT.md, prints the table
+
+An OUT.json already there keeps its other rows (two job_gpu.sh calls in one device command share one $OUT: on
+2026-12-02 the second call's table replaced the first's row); a ROW named again is this call's.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def markdown_row(name: str, r: dict) -> str:
 
 def main(argv: list[str]) -> int:
     rows_dir, out, names = Path(argv[0]), Path(argv[1]), argv[2:]
-    rows = {}
+    rows = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
         f = rows_dir / f"{name}.json"
         rows[name] = json.loads(f.read_text()) if f.exists() else {"status": "not run"}

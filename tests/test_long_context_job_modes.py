@@ -185,6 +185,12 @@ def test_rows_table_for_results(tmp_path):
                         "| 3.1e-03 | ok |")
     assert table[3].endswith("| oom: OOM at 917504 tokens |") and table[4].endswith("| not run: rc= |")
     assert set(json.loads((tmp_path / "all.json").read_text())) == {"cp2-1m", "sdpa-1m", "cp1-1m"}
+    # A second call into the same file keeps the first's rows and takes its own anew
+    (tmp_path / "cp1-1m.json").write_text(json.dumps(dict(ok, status="ok")))
+    assert rows.main([str(tmp_path), str(tmp_path / "all.json"), "cp1-1m"]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert list(merged) == ["cp2-1m", "sdpa-1m", "cp1-1m"] and merged["cp1-1m"]["status"] == "ok"
+    assert len((tmp_path / "all.md").read_text().splitlines()) == 5
 
 
 def test_the_kv_cache_is_sized_for_the_random_prefix_too(monkeypatch):
