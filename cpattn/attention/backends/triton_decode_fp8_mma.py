@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cpattn.attention.backends.triton_tiles import kv_tile_pages
+
 E4M3 = torch.float8_e4m3fn
 MMA_ROWS = 64           # wgmma's M per warpgroup: fewer rows compile to mma.sync through f16
 
@@ -58,34 +60,6 @@ def e4m3_query(q, scale_log2, cap_in):
     hi = _round_to_e4m3_bits(x)
     lo = _round_to_e4m3_bits(x - hi)
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), scale_log2 * undo[:, None], cap_in * undo[:, None]
-
-
-@triton.jit
-def _page_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, first, end, kh,
-               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div,
-               offs_d, d_mask, PS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K, V [BLOCK_N, BLOCK_D] (e4m3) of keys [n, n + BLOCK_N) (n on a page), the key mask (first <= key < end), K's
-    page scales per key, V's over the tile's largest per key, and that largest."""
-    offs_p = tl.arange(0, BLOCK_N // PS)
-    p_mask = n + offs_p * PS < end
-    page_p = tl.load(bt_row + n // PS + offs_p, mask=p_mask, other=0).to(tl.int64)
-    page = tl.reshape(tl.broadcast_to(page_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
-    pos = n + tl.arange(0, BLOCK_N)
-    n_mask = (pos < end) & (pos >= first)
-    within = (pos % PS).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + (page * stride_kb + within * stride_ks + kh * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + (page * stride_vb + within * stride_vs + kh * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    srow = (page_p // scale_div) * stride_sp + kh
-    ks_p = tl.load(ks_ptr + srow, mask=p_mask, other=0.0)
-    vs_p = tl.load(vs_ptr + srow, mask=p_mask, other=0.0)
-    v_top = tl.max(vs_p, 0)
-    v_rel = vs_p / tl.where(v_top > 0.0, v_top, 1.0)                   # exact: powers of two (or 0: unused pages)
-    k_scale = tl.reshape(tl.broadcast_to(ks_p[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
-    v_scale = tl.reshape(tl.broadcast_to(v_rel[:, None], (BLOCK_N // PS, PS)), (BLOCK_N,))
-    return k, v, k_scale, v_scale, v_top, n_mask
 
 
 @triton.jit
@@ -133,9 +107,14 @@ def _paged_decode_fp8_mma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + req * stride_btb
     for n in range(start, end, BLOCK_N):
-        k, v, k_scale, v_scale, v_top, n_mask = _page_tile(
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, first, end, kh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d, d_mask, PS, BLOCK_N)
+        # The page's keys before a window's first are read (tiles start on pages) and masked below
+        k, v, k_scale, v_scale = kv_tile_pages(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n, end, kh, stride_kb, stride_ks,
+                                               stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div, offs_d,
+                                               d_mask, PS, BLOCK_N, True)
+        pos = n + tl.arange(0, BLOCK_N)
+        n_mask = (pos < end) & (pos >= first)
+        v_top = tl.max(v_scale, 0)
+        v_scale = v_scale / tl.where(v_top > 0.0, v_top, 1.0)        # exact: powers of two (or 0: unused pages)
         k_t = tl.trans(k)
         raw = (tl.dot(q_hi, k_t) + tl.dot(q_lo, k_t)) * k_scale[None, :]
         if SOFTCAP:
