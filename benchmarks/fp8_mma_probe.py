@@ -3,6 +3,7 @@ keys, where a wrong result shows without a long sum), its time against the bf16 
 and its error against float64, NaN counts included. Prints a table; writes JSON. (Its 2026-12-02 run, with an e4m3 PV
 dot beside the float16 one: benchmarks/RESULTS.md, session 12.)
     python benchmarks/fp8_mma_probe.py [--keys 1048576] [--json PATH]
+    TRITON_INTERPRET=1 python benchmarks/fp8_mma_probe.py --smoke   # the first tiling at 256 and 512 keys, on the CPU
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_sweep_common import (ACT, D, HK, HQ, float64_attention, paged_case, rel, time_graph,  # noqa: E402
-                                 with_fp8)
+from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
+                                 time_graph, with_fp8)
 
 CANDIDATES = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in ((64, 8, 1), (64, 4, 1), (32, 4, 3), (64, 8, 3),
                                                                          (128, 8, 2), (32, 8, 3))]
@@ -27,11 +28,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1 << 20)
     parser.add_argument("--json", default="fp8_mma_probe.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one tiling (CPU, TRITON_INTERPRET=1)")
     args = parser.parse_args()
     from cpattn.attention.backends import triton_decode as tk
-    dev = torch.device("cuda")
+    dev = DEVICE
     rows = []
-    for keys in (4096, args.keys):
+    candidates = CANDIDATES[:1] if args.smoke else CANDIDATES
+    for keys in (256, 512) if args.smoke else (4096, args.keys):
         case = with_fp8(paged_case(1, keys, dev))
         q = torch.randn(1, HQ, D, device=dev).to(ACT)
         ref = float64_attention(q, case)
@@ -51,12 +54,13 @@ def main() -> int:
         tk.CONFIG_OVERRIDES.update(saved)
         today = time_graph(functools.partial(call, case.fp8, case.scales))
         rows.append(dict(keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=rel(out, ref)))
-        for cand in CANDIDATES:
+        for cand in candidates:
             tk.CONFIG_OVERRIDES["fp8"] = dict(cand, fp8_mma=True)
             try:
                 out.fill_(float("nan"))
                 call(case.fp8, case.scales)
-                torch.cuda.synchronize()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 nans = int(out.isnan().sum())
                 err = rel(out, ref)
                 ms = time_graph(functools.partial(call, case.fp8, case.scales))
@@ -70,7 +74,7 @@ def main() -> int:
         for r in rows:
             if r["keys"] == keys:
                 print("  ", {k: v for k, v in r.items() if k != "keys"}, flush=True)
-    Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    Path(args.json).write_text(json.dumps(dict(rows=rows), indent=1, default=str))
     return 0
 
 

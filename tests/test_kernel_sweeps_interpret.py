@@ -1,6 +1,6 @@
 """The next GPU session's sweep commands run: ``triton_decode_sweep.py --fp8-sweep`` and ``prefix_pass_sweep.py`` with
 ``--smoke`` (tiny shapes, the CPU, Triton's interpreter) end to end: data, float64 references, candidates, winner,
-the line to paste, JSON. A change that breaks a sweep fails here, not in the GPU session's scarce minutes.
+the line to paste, JSON; and ``fp8_mma_probe.py --smoke``. A change that breaks a sweep fails here, not in the GPU session's scarce minutes.
 
     TRITON_INTERPRET=1 PYTHONPATH=. <python with torch, triton> -m pytest tests/test_kernel_sweeps_interpret.py
 """
@@ -46,3 +46,13 @@ def test_sweep_smoke_prints_a_checked_winner_and_its_line(script, extra, entry, 
     line = result["adopt_line"].strip().rstrip(",")
     overrides = eval("{" + line + "}")   # the pasted line is a valid CONFIG_OVERRIDES entry
     assert set(overrides[entry]) <= set(result["base"])
+
+
+def test_fp8_mma_probe_smoke_times_and_checks_each_tiling(tmp_path):
+    """benchmarks/fp8_mma_probe.py (triton_decode_fp8_mma.py's kernel against bf16 and today's fp8) runs as printed:
+    today's fp8 and the fp8-dot kernel at two lengths, each checked against float64, no NaN."""
+    result, stdout = _smoke("fp8_mma_probe.py", tmp_path)
+    rows = result["rows"]
+    assert [r["keys"] for r in rows] == [256, 256, 512, 512] and "error" not in str(rows)
+    assert all(r["rel"] < 1e-1 and r["ms"] > 0 for r in rows), rows
+    assert all(r["nans"] == 0 for r in rows if r["cfg"] != "today's fp8"), rows
