@@ -1,74 +1,30 @@
 """The benchmarks run as printed: ``cp_scaling.py --smoke`` end to end on the CPU, so a change that breaks
-the benchmark (as max_tokens_per_step once did) fails the suite instead of the next GPU session.
-
-The smoke runs are subprocesses that mostly wait (Ray starting, services starting; ~4 minutes together on CI's kind
-of box, the suite's largest share of wall time after the CLI's): tests/background_fixtures.py runs them all at the
-session's start, one after another beside other tests, and each test asserts on its script's run. Nothing here
-is a time bound.
-"""
+the benchmark (as max_tokens_per_step once did) fails the suite instead of the next GPU session."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import background_fixtures
 import cpattn
-from user_env import kill_session
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKES = {"cp_scaling.py": 600, "shared_prefix.py": 600, "profile_begin.py": 600, "op_cost.py": 300,
-          "plan_cost.py": 300, "shared_prefix_host.py": 300, "shared_prefix_begin.py": 300}
-"""The scripts run with ``--smoke`` and their time limits (s)."""
 
 
-def _run_smokes(background) -> dict:
-    """``python benchmarks/<script> --smoke --json PATH`` as printed, for each of SMOKES in turn: its exit status
-    (None: not within its limit), output and the JSON it wrote."""
-    work = Path(tempfile.mkdtemp(prefix="cpattn-smokes-"))
-    ran = {}
-    try:
-        for script, timeout_s in SMOKES.items():
-            out = work / f"{Path(script).stem}.json"
-            proc = subprocess.Popen([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(out)], cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-            try:
-                stdout, stderr = background_fixtures.communicate(proc, timeout_s, background.aborted)
-                returncode = proc.returncode
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                (stdout, stderr), returncode = proc.communicate(), None
-            finally:
-                kill_session(proc.pid)
-            ran[script] = dict(returncode=returncode, out=stdout, err=stderr,
-                               json=json.loads(out.read_text()) if returncode == 0 and out.exists() else None)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return ran
+def _smoke_rows(tmp_path: Path, script: str, timeout_s: int = 600) -> list[dict]:
+    """``python benchmarks/<script> --smoke --json ...`` as printed: exits 0; the rows of the JSON it wrote."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())["rows"]
 
 
-background_fixtures.register(__file__, _run_smokes, time_bounds=False)
-
-
-def _smoke_json(script: str) -> dict:
-    """The JSON ``script --smoke`` wrote, once it exited 0 within its limit."""
-    ran = background_fixtures.result(__file__)[script]
-    assert ran["returncode"] is not None, f"{script} --smoke did not end within {SMOKES[script]} s:\n" + ran["err"][-3000:]
-    assert ran["returncode"] == 0, ran["out"][-3000:] + ran["err"][-3000:]
-    return ran["json"]
-
-
-def _smoke_rows(script: str) -> list[dict]:
-    return _smoke_json(script)["rows"]
-
-
-def test_cp_scaling_smoke_runs_every_case():
-    rows = _smoke_rows("cp_scaling.py")
+def test_cp_scaling_smoke_runs_every_case(tmp_path):
+    rows = _smoke_rows(tmp_path, "cp_scaling.py")
     got = {(r["case"], r["gpus"]) for r in rows}
     cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke", "decode_fp8_w64_smoke",
              "chunked_fp8_w64_smoke"}
@@ -85,8 +41,8 @@ def test_cp_scaling_smoke_runs_every_case():
             assert r["decode_run_extend"] is True, r
 
 
-def test_shared_prefix_smoke_forks_hold_one_copy():
-    rows = {r["way"]: r for r in _smoke_rows("shared_prefix.py")}
+def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
+    rows = {r["way"]: r for r in _smoke_rows(tmp_path, "shared_prefix.py")}
     assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == rows["separate"]["batch"] == 4
     # 250 tokens over 2 shards (125 each) in pages of 4: 32 + 32 pages per copy of the document.
     assert rows["one"]["kv_blocks"] == rows["shared"]["kv_blocks"] == 64
@@ -94,19 +50,23 @@ def test_shared_prefix_smoke_forks_hold_one_copy():
     assert all(r["step_ms"] > 0 and r["backend"] == "TORCH" for r in rows.values())
 
 
-def test_plan_cost_smoke_measures_every_part():
+def test_plan_cost_smoke_measures_every_part(tmp_path):
     """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
-    rows = {r["case"]: r for r in _smoke_rows("plan_cost.py")}
+    rows = {r["case"]: r for r in _smoke_rows(tmp_path, "plan_cost.py", timeout_s=300)}
     assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke"}
     assert rows["decode_smoke"]["steps_per_begin"] == cpattn.ServiceConfig.model_fields["decode_run_steps"].default and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
 
 
-def test_shared_prefix_host_smoke_splits_every_fork_step():
+def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
     """benchmarks/shared_prefix_host.py (a decode step's host work for forks vs copies, no Ray, no GPU) runs as
     printed; every step of the forks' runs takes the cascade split, no step of the others does."""
-    rows = {r["way"]: r for r in _smoke_rows("shared_prefix_host.py")}
+    out = tmp_path / "shared_prefix_host.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_host.py", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == 4
     assert rows["shared"]["split_steps"] == 3 * rows["shared"]["steps_per_run"]   # every step on each of 3 shards
     assert rows["one"]["split_steps"] == rows["separate"]["split_steps"] == 0
@@ -114,11 +74,15 @@ def test_shared_prefix_host_smoke_splits_every_fork_step():
         assert r["coordinator_ms_per_step"] > 0 and r["shard_ms_per_step"] > 0, r
 
 
-def test_shared_prefix_begin_smoke_opens_a_fork_step_with_one_questions_device_ops():
+def test_shared_prefix_begin_smoke_opens_a_fork_step_with_one_questions_device_ops(tmp_path):
     """benchmarks/shared_prefix_begin.py (a decode run's step opened on the client, forks vs one question, no GPU)
     runs as printed; forks' steps move and launch no more on the device than one question's (issue 24: the prefix
     pass is planned once per prefix), a run's first step included once the prefix was planned by a run before."""
-    rows = {r["way"]: r for r in _smoke_rows("shared_prefix_begin.py")}
+    out = tmp_path / "shared_prefix_begin.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_begin.py", "--smoke", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"one", "shared"} and rows["shared"]["batch"] == 4
     assert rows["shared"]["device_ops"] == rows["one"]["device_ops"] > 0
     assert rows["shared"]["first_device_ops"] == rows["one"]["first_device_ops"] > 0
@@ -147,12 +111,16 @@ def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
     assert cs._blocks_per_shard(prefill, 1, 40) == cs._blocks_per_shard(prefill, 1, 10)   # freed every step
 
 
-def test_profile_begin_smoke_splits_opening_by_phase():
+def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
     """benchmarks/profile_begin.py (issue 18: where opening a decode step spends the caller's time) runs as
     printed: the service's measured steps are whole segments of one extended run (none asks the coordinator; each
     segment asks for its extension), their phases add up to begin_s, and the client part times a run's later steps
     without Ray."""
-    result = _smoke_json("profile_begin.py")
+    out = tmp_path / "profile_begin.json"
+    proc = subprocess.run([sys.executable, "benchmarks/profile_begin.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
     cases = {"decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke"}
     assert {r["case"] for r in result["service"]} == {r["case"] for r in result["client"]} == cases
     for r in result["service"]:
@@ -174,10 +142,14 @@ def test_profile_begin_smoke_splits_opening_by_phase():
         assert r["later_step_ms"] > 0 and r["run_start_ms"] > 0 and r["cprofile_later"] and r["backend"] == "TORCH", r
 
 
-def test_op_cost_smoke_times_every_call_at_every_stage():
+def test_op_cost_smoke_times_every_call_at_every_stage(tmp_path):
     """benchmarks/op_cost.py (issue 18: what a small torch call costs the client's thread on an H200 host) runs as
     printed: every call timed before Ray, while the GPU is busy, with Ray, with the service up and inside a run."""
-    rows = _smoke_json("op_cost.py")["us_per_call"]
+    out = tmp_path / "op_cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/op_cost.py", "--smoke", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["us_per_call"]
     assert list(rows) == ["bare", "busy", "ray", "service", "run"]
     assert {"q|k|v: 3 copy_", "q|k|v: cat", "out clone"} <= set(rows["bare"]), rows
     assert all(set(r) == set(rows["bare"]) and all(0 < us < 1e5 for us in r.values()) for r in rows.values()), rows
