@@ -18,7 +18,6 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton interpreter on the CPU: set TRITON_INTERPRET=1 on a machine without CUDA",
                 allow_module_level=True)
 
-from cpattn.attention.backends import triton_decode                                      # noqa: E402
 from tests.test_triton_decode_heads_interpret import (D, LENS, PAGES, _case, _decode,  # noqa: E402
                                                        _reference)
 
@@ -82,16 +81,8 @@ def test_fp8_mma_queries_beyond_e4m3(magnitude):
     q, cache, scales, exact, table = _bf16_case("fp8_e4m3", seed=6)
     q = q.float() * magnitude
     scale = D ** -0.5 / magnitude
-    old = triton_decode.DECODE_CONFIG
-    triton_decode.DECODE_CONFIG = dict(old, min_tiles=1, **MMA)
-    try:
-        idx = torch.arange(len(LENS), dtype=torch.int32)
-        out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
-        triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx, torch.tensor(LENS, dtype=torch.int32), 4,
-                                   scale, out, lse, all_rows=True, kv_scale=scales)
-    finally:
-        triton_decode.DECODE_CONFIG = old
-    _check((out.double(), lse.double()), _reference(q, exact, table, LENS, None, None, scale), range(len(LENS)))
+    got = _decode(MMA, q, cache, scales, table, LENS, 4, scale=scale)
+    _check(got, _reference(q, exact, table, LENS, None, None, scale), range(len(LENS)))
 
 
 def test_fp8_mma_serves_only_e4m3_plain_decodes_on_page_tiles():

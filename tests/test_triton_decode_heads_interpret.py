@@ -63,7 +63,7 @@ def _reference(q, exact, table, lens, starts, cap, scale):
     return out, lse
 
 
-def _decode(cfg: dict, q, cache, scales, table, lens, splits, starts=None, cap=None, rows=None):
+def _decode(cfg: dict, q, cache, scales, table, lens, splits, starts=None, cap=None, rows=None, scale=D ** -0.5):
     """paged_decode under ``cfg`` (DECODE_CONFIG entries): every row, or only ``rows`` (tok_idx, not all_rows)."""
     old = triton_decode.DECODE_CONFIG
     triton_decode.DECODE_CONFIG = dict(old, min_tiles=1, **cfg)
@@ -75,7 +75,7 @@ def _decode(cfg: dict, q, cache, scales, table, lens, splits, starts=None, cap=N
         lse = torch.full(q.shape[:2], float("nan"))
         key_start = None if starts is None else torch.tensor([starts[t] for t in toks], dtype=torch.int32)
         triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx,
-                                   torch.tensor([lens[t] for t in toks], dtype=torch.int32), splits, D ** -0.5,
+                                   torch.tensor([lens[t] for t in toks], dtype=torch.int32), splits, scale,
                                    out, lse, all_rows=rows is None, key_start=key_start, kv_scale=scales,
                                    soft_cap=cap)
     finally:
@@ -143,16 +143,8 @@ def test_f16_dots_hold_queries_beyond_float16(cfg, magnitude, cap):
     q, cache, scales, exact, table = _case("fp8_e4m3", seed=6)
     q = q.float() * magnitude
     scale = D ** -0.5 / magnitude
-    old = triton_decode.DECODE_CONFIG
-    triton_decode.DECODE_CONFIG = dict(old, min_tiles=1, **cfg)
-    try:
-        idx = torch.arange(len(LENS), dtype=torch.int32)
-        out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
-        triton_decode.paged_decode(q, cache[0], cache[1], table, idx, idx, torch.tensor(LENS, dtype=torch.int32), 4,
-                                   scale, out, lse, all_rows=True, kv_scale=scales, soft_cap=cap)
-    finally:
-        triton_decode.DECODE_CONFIG = old
-    _check((out.double(), lse.double()), _reference(q, exact, table, LENS, None, cap, scale), range(len(LENS)))
+    got = _decode(cfg, q, cache, scales, table, LENS, 4, cap=cap, scale=scale)
+    _check(got, _reference(q, exact, table, LENS, None, cap, scale), range(len(LENS)))
 
 
 def test_heads_per_program_falls_back_where_tiles_cannot_start_on_pages():
