@@ -11,7 +11,7 @@ default configuration (fp8 e4m3 <= 0.6x bf16, a 4,096-key window <= 0.05 ms), an
 
     python benchmarks/triton_decode_sweep.py --fp8-sweep [--seconds 100] [--json PATH]
 The fp8 cache's own configuration (triton_decode.CONFIG_OVERRIDES["fp8"]): kernel variants (page-wise tile loads,
-prefetch, float16 dots, V scaled first; triton_decode_fp8_mma.py's e4m3 tensor-core dots; triton_decode_heads.py's H kv
+prefetch, float16 dots, V scaled first; triton_decode_fp8_mma.py's e4m3 tensor-core q.K dots; triton_decode_heads.py's H kv
 heads per program), tilings and split
 factors, staged within ``--seconds``, at B=1 over 1M keys and B=64 over 32K keys (outlier data, each candidate checked
 against float64: rel < 1e-1), against the bf16 kernel's time on the same data. Prints the winner, its ratio to bf16
@@ -171,10 +171,11 @@ HEADS_CANDIDATES = ((4, 64, 4, 1, True), (8, 32, 8, 1, True), (4, 128, 4, 1, Tru
 programs per SM; f16 dots (one cvt per two fp8 values; bf16 needs three: >= 0.75 ms of conversions at 1M). On
 2026-12-01 (nvidia-h200) one stage beat two to four at every tiling where both ran (4 heads, 64 keys: 0.856 vs 0.921 ms
 at 1M; adopted) and bf16 dots lost everywhere (1.48x bf16): the candidates are now one-stage shapes around it."""
-MMA_CANDIDATES = ((64, 8, 1), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3), (128, 8, 2), (32, 4, 1), (64, 8, 2))
-"""triton_decode_fp8_mma.py's kernel (fp8 e4m3 tensor-core dots, M = 64 rows): (keys per tile, warps, stages). Compiled
-for sm_90 on the CPU box (ptxas -v): 4 warps spill at 64-128 keys with one or two stages (255 registers), 8 warps do
-not; stages >= 2 load the tiles by cp.async."""
+MMA_CANDIDATES = ((64, 4, 1), (32, 4, 3))
+"""triton_decode_fp8_mma.py's kernel (fp8 e4m3 tensor-core q.K dots, M = 64 rows): (keys per tile, warps, stages). On
+2026-12-02 (nvidia-h200, triton 3.6) its best, 64 keys / 4 warps / 1 stage, took 1.33 ms at 1M (1.29x bf16; the heads
+kernel 0.855) and 8 warps or more stages were slower (benchmarks/RESULTS.md, session 12): two candidates stay, so that a
+later Triton's change shows."""
 MMA_TILINGS = ((64, 8, 2), (32, 8, 2), (128, 8, 3), (32, 4, 2), (64, 4, 2))
 ONE_HEAD_TILINGS = ((128, 4, 2), (128, 8, 2), (256, 8, 2), (256, 8, 3), (128, 4, 3), (256, 4, 2), (64, 4, 3),
                     (128, 8, 3), (64, 2, 2))
