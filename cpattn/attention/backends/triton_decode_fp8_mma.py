@@ -150,8 +150,8 @@ def _paged_decode_fp8_mma_kernel(
 
 def fp8_mma_serves(cfg: dict, k_cache: torch.Tensor, kv_scale, page_size: int, block_n: int, queries: int) -> bool:
     """Whether this launch takes the fp8-dot kernel: the configuration asks (fp8_mma), the cache is e4m3 with per-page
-    scales, one query per program, and tiles can start on pages (PS a power of two dividing BLOCK_N >= 32, the PV
-    dot's k)."""
+    scales, one query per program, and tiles can start on pages (PS a power of two dividing BLOCK_N; BLOCK_N >= 32, the
+    shortest tiling compiled and measured)."""
     return (bool(cfg.get("fp8_mma")) and kv_scale is not None and k_cache.dtype == E4M3 and queries == 1
             and page_size & (page_size - 1) == 0 and block_n % page_size == 0 and block_n >= 32)
 
