@@ -147,9 +147,14 @@ def _at_full_run_boundary(gw, full: int) -> bool:
 def _split_later(begins: list[float], parts: list[dict], starts: list[bool]) -> dict:
     steady = [b for b, p, s in zip(begins, parts, starts) if not s and "steady" in p and "run_next" not in p]
     planned = [b for b, p, s in zip(begins, parts, starts) if not s and "run_next" in p]
+    planned_parts = [p for p, s in zip(parts, starts) if not s and "run_next" in p]
+    slowest = max(range(len(begins)), key=begins.__getitem__)
     return {"steady_steps": len(steady), "planned_steps": len(planned),
             "begin_ms_steady": 1e3 * statistics.fmean(steady) if steady else None,
-            "begin_ms_planned": 1e3 * statistics.fmean(planned) if planned else None}
+            "begin_ms_planned": 1e3 * statistics.fmean(planned) if planned else None,
+            # what a planned step and the slowest opening spend their time on (session 12's 4.3 ms at B=64)
+            "phases_ms_planned": _phase_means(planned_parts),
+            "phases_ms_slowest": {k: 1e3 * v for k, v in parts[slowest].items()}}
 
 
 def measure_service(svc, case, layers: int, warmup: int, steps: int, top: int, torch_profile: bool) -> dict:
@@ -349,8 +354,8 @@ def _fmt_service(r: dict) -> str:
             f"{_ms(r['begin_ms_run_start']):>9} {_ms(r['begin_ms_later']):>7} {r['end_ms_per_step']:>7.3f} "
             f"{r['step_ms']:>8.2f}   {phases('phases_ms_later')}\n{'':>72}run start: {phases('phases_ms_run_start')}"
             f"\n{'':>72}later steps: {r['steady_steps']} steady {_ms(r['begin_ms_steady'])} ms, "
-            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms; "
-            f"slowest opening {_ms(r['begin_ms_max'])} ms; attend {r['attend_ms_per_layer']:.3f} ms/layer on the host"
+            f"{r['planned_steps']} planned {_ms(r['begin_ms_planned'])} ms ({phases('phases_ms_planned')}); "
+            f"slowest opening {_ms(r['begin_ms_max'])} ms ({phases('phases_ms_slowest')}); attend {r['attend_ms_per_layer']:.3f} ms/layer on the host"
             f"\n{'':>72}gc in opening, ms/step by generation: "
             + " ".join(f"{g}: {t:.3f}" for g, t in r["gc_ms_per_open"].items()))
 
