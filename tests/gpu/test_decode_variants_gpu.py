@@ -37,6 +37,7 @@ MMA = [dict(fp8_mma=True, block_n=64, num_warps=8, num_stages=1), dict(fp8_mma=T
        dict(fp8_mma=True, block_n=64, num_warps=4, num_stages=3), dict(fp8_mma=True, block_n=128, num_warps=8,
                                                                        num_stages=2, split_factor=0.5)]
 VARIANTS += HEADS + MMA + [dict(block_n=64, num_stages=1, page_tiles=True, prefetch=True)]   # query groups' adopted
+VARIANTS += [dict(fp8_cuda=True), dict(fp8_cuda=True, split_factor=4)]   # cuda_decode_fp8.py (e4m3 plain decodes)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cpattn.attention.backends.cuda_decode_fp8 import fp8_cuda_unserved, launch_fp8_cuda
 from cpattn.attention.backends.triton_decode_fp8_mma import fp8_mma_serves, launch_fp8_mma
 from cpattn.attention.backends.triton_decode_heads import heads_per_program, launch_heads
 from cpattn.attention.backends.triton_tiles import (f16_query, feature_args, kv_tile, kv_tile_pages,
@@ -150,10 +151,11 @@ def _num_sms(device: torch.device) -> int:
 # heads_per_program: H > 0 runs triton_decode_heads.py's kernel (H kv heads per program, 3-D tiles, one warp per head
 # when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel; fp8_mma: an e4m3 cache's
 # plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
-# precedence over heads_per_program; measured slower, off).
+# precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
+# cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
-                     fp8_mma=False)
+                     fp8_mma=False, fp8_cuda=False)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -225,8 +227,10 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(d)
     cfg = decode_config(fp8=kv_scale is not None, query_groups=queries > 1)
     block_n = cfg["block_n"] if d <= 128 else min(cfg["block_n"], 32)
-    mma = fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
-    heads = 0 if mma else heads_per_program(cfg, hk, ps, block_n, queries)
+    cuda = kv_scale is not None and not fp8_cuda_unserved(cfg, q_TQD, k_cache, kv_scale, queries, key_start,
+                                                          soft_cap, (block_table, tok_idx, req_idx, kv_lens))
+    mma = not cuda and fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
+    heads = 0 if mma or cuda else heads_per_program(cfg, hk, ps, block_n, queries)
     splits = launch_splits(splits * max(heads, 1), cfg)   # as many programs as the one-head grid's
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
@@ -241,6 +245,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     strides_in = (q_TQD.stride(0), q_TQD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
     if splits == 1 and into_rows is None:
+        if cuda:
+            launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
+            return
         if mma:
             launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
             return
@@ -254,7 +261,9 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows_out = num_tok * queries
     part_out = torch.empty(splits, rows_out, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, rows_out, hq, dtype=torch.float32, device=q_TQD.device)
-    if mma:
+    if cuda:
+        launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
+    elif mma:
         launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
     elif heads:
         launch_heads(heads, splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)

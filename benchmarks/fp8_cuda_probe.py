@@ -1,0 +1,93 @@
+"""cuda_decode_fp8.py's kernel on one GPU against the bf16 kernel and today's fp8 configuration (issue 22: fp8 decode
+at 1M keys <= 0.6x the bf16 kernel's time): B=1 over 4,096 keys (a wrong result shows without a long sum) and over
+``--keys``, and B=64 over 32K, each split factor's time (CUDA graph replay) and error against float64, NaNs counted.
+Prints a table; writes JSON.
+    python benchmarks/fp8_cuda_probe.py [--keys 1048576] [--json PATH]      # one H200, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
+                                 time_graph, with_fp8)
+
+SPLIT_FACTORS = (1, 2, 4, 8)
+
+
+def probe(batch: int, keys: int, factors) -> list[dict]:
+    from cpattn.attention.backends import triton_decode as tk
+    dev = DEVICE
+    case = with_fp8(paged_case(batch, keys, dev))
+    q = torch.randn(batch, HQ, D, device=dev).to(ACT)
+    ref = float64_attention(q, case)
+    idx = torch.arange(batch, dtype=torch.int32, device=dev)
+    lens = torch.full((batch,), keys, dtype=torch.int32, device=dev)
+    out = torch.empty(batch, HQ, D, dtype=ACT, device=dev)
+    lse = torch.empty(batch, HQ, dtype=torch.float32, device=dev)
+    splits = tk.decode_num_splits(batch, HK, keys, dev)
+
+    def call(cache, scales):
+        tk.paged_decode(q, cache[0], cache[1], case.table, idx, idx, lens, splits, D ** -0.5, out, lse,
+                        all_rows=True, kv_scale=scales)
+
+    saved = dict(tk.CONFIG_OVERRIDES)
+    rows = []
+    try:
+        tk.CONFIG_OVERRIDES["fp8"] = {}
+        bf16 = time_graph(functools.partial(call, case.cache, None))
+        tk.CONFIG_OVERRIDES.update(saved)
+        today = time_graph(functools.partial(call, case.fp8, case.scales))
+        today_rel = rel(out, ref)
+        rows.append(dict(batch=batch, keys=keys, cfg="bf16", ms=bf16, over_bf16=1.0))
+        rows.append(dict(batch=batch, keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=today_rel))
+        for f in factors:
+            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f)
+            try:
+                out.fill_(float("nan"))
+                call(case.fp8, case.scales)
+                torch.cuda.synchronize()
+                nans, err = int(out.isnan().sum()), rel(out, ref)
+                ms = time_graph(functools.partial(call, case.fp8, case.scales))
+                rows.append(dict(batch=batch, keys=keys, cfg=f"cuda x{f}", splits=tk.launch_splits(splits * f, {}),
+                                 ms=ms, over_bf16=ms / bf16, rel=err, nans=nans))
+            except Exception as exc:   # noqa: BLE001 - a diagnostic: the row says what failed
+                rows.append(dict(batch=batch, keys=keys, cfg=f"cuda x{f}", error=f"{type(exc).__name__}: {exc}"[:600]))
+    finally:
+        tk.CONFIG_OVERRIDES.clear()
+        tk.CONFIG_OVERRIDES.update(saved)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1 << 20)
+    parser.add_argument("--json", default="fp8_cuda_probe.json")
+    parser.add_argument("--factors", default=",".join(map(str, SPLIT_FACTORS)))
+    args = parser.parse_args()
+    if DEVICE.type != "cuda":
+        print("fp8_cuda_probe needs a CUDA device", file=sys.stderr)
+        return 2
+    factors = [float(f) if "." in f else int(f) for f in args.factors.split(",")]
+    rows = []
+    for batch, keys in ((1, 4096), (1, args.keys), (64, 32768)):
+        got = probe(batch, keys, factors)
+        rows += got
+        print(f"B={batch} keys={keys}")
+        for r in got:
+            print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                         if k not in ("batch", "keys")}, flush=True)
+    meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), hq=HQ, hk=HK, d=D)
+    Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

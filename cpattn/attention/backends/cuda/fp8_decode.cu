@@ -1,0 +1,338 @@
+// cpattn's fp8 e4m3 paged decode on tensor cores (issue 22); the design and its numbers: cuda_decode_fp8.py.
+// Compiled at run time by NVRTC with -DG=<q heads per kv head> -DQ_KIND=<1 bf16, 2 f16> -DOUT_KIND=<0 float32 split
+// partials, 1 bf16, 2 f16 rows>. No headers: the types and conversions below are PTX.
+//
+// One block (NW warps) per (decode token, kv head, split); each warp takes 32-key tiles of the split in turn.
+// Per tile, thread (g = lane / 4, t = lane % 4) of a warp:
+//   q.K  mma m16n8k32 e4m3: A = q's G heads (rows; hi + lo e4m3 parts of q / qs), B = K as stored (for each key its
+//        128 bytes are the k axis): no conversion of K. Four n-tiles of 8 keys; the k axis is permuted (thread t's
+//        two 16-byte loads of a key are its columns), the same for q, so the sum is the same.
+//   P.V  mma m16n8k16 f16: A = P from the q.K accumulators (the same thread holds them: FA2's layout), B = V,
+//        converted e4m3 -> f16 by one cvt per two values after one byte permute per two; sixteen n-tiles of 8 dims,
+//        thread g's dims 16 g .. 16 g + 15 (one 16-byte load per key).
+// fp8 scales: q.K by each page's K scale; P by each page's V scale over the warp's largest so far (powers of two,
+// exact) times 2^15 (f16 keeps probabilities down to 2^-39 of the row's largest), the accumulator rescaled when the
+// largest grows, as the running maximum of the softmax is.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define NW 4
+#define TILE 32
+#define D 128
+#define ROWS ((G) > 8 ? 2 : 1)
+#define PSCALE 32768.0f
+#define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000)
+
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ float q_to_float(u16 h) {
+#if Q_KIND == 1
+  return __uint_as_float(((u32)h) << 16);
+#else
+  float f;
+  asm("{ .reg .b16 r; mov.b16 r, %1; cvt.f32.f16 %0, r; }" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ u16 e4m3x2_of(float hi, float lo) {   // lo in the low byte
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 f16x2_of_e4m3x2(u16 x) {   // the low byte to the low half
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}
+
+__device__ __forceinline__ u32 f16x2_of(float hi, float lo) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float f16_lo(u32 x) {
+  float f;
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(f) : "r"(x));
+  return f;
+}
+
+__device__ __forceinline__ float f16_hi(u32 x) {
+  float f;
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(f) : "r"(x));
+  return f;
+}
+
+__device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32x4 load16(const u8* p, bool ok) {
+  u32x4 r = {0u, 0u, 0u, 0u};
+  if (ok) r = *reinterpret_cast<const u32x4*>(p);
+  return r;
+}
+
+// The page slot of key tile + 8 nt (tiles start on 8 keys, pages hold a multiple of 8)
+__device__ __forceinline__ int key0_slot(int tile, int nt, int ps_mask) { return (tile + nt * 8) & ps_mask; }
+
+__device__ __forceinline__ u32 word(const u32x4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Thread t's q columns: register j < 4 holds dims 16 t + 4 j .. + 3, j >= 4 dims 64 + 16 t + 4 (j - 4) .. + 3 (its two
+// 16-byte loads of each key); k-step kk of the q.K mma takes registers 2 kk (columns 4 t ..) and 2 kk + 1 (16 + 4 t ..).
+__device__ __forceinline__ int q_dim(int t, int j) { return (j < 4 ? 16 * t + 4 * j : 64 + 16 * t + 4 * (j - 4)); }
+
+// q [G heads] of this kv head as e4m3 hi + lo of q / qs (qs: the head's largest |q| over 256), per row, per register.
+__device__ __forceinline__ void quantize_q(const u16* q_row, int head, int t, u32* hi, u32* lo, float* qs_out) {
+  float x[32];
+  float amax = 0.0f;
+  bool real = head < G;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[4 * j + i] = real ? q_to_float(q_row[q_dim(t, j) + i]) : 0.0f;
+      amax = fmaxf(amax, fabsf(x[4 * j + i]));
+    }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  float qs = amax > 0.0f ? amax * (1.0f / 256.0f) : 1.0f;
+  float inv = 1.0f / qs;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float v[4], r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = x[4 * j + i] * inv;
+    u32 h = (u32)e4m3x2_of(v[1], v[0]) | ((u32)e4m3x2_of(v[3], v[2]) << 16);
+    u32 h01 = f16x2_of_e4m3x2((u16)(h & 0xffffu)), h23 = f16x2_of_e4m3x2((u16)(h >> 16));
+    r[0] = v[0] - f16_lo(h01); r[1] = v[1] - f16_hi(h01); r[2] = v[2] - f16_lo(h23); r[3] = v[3] - f16_hi(h23);
+    hi[j] = h;
+    lo[j] = (u32)e4m3x2_of(r[1], r[0]) | ((u32)e4m3x2_of(r[3], r[2]) << 16);
+  }
+  *qs_out = qs;
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32, 2)
+cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+                  const int* __restrict__ block_table, const int* __restrict__ tok_idx, const int* __restrict__ req_idx,
+                  const int* __restrict__ kv_lens, const float* __restrict__ k_scales,
+                  const float* __restrict__ v_scales, void* __restrict__ out, float* __restrict__ lse,
+                  int stride_qt, int stride_qh, int stride_kb, int stride_ks, int stride_kh, int stride_vb,
+                  int stride_vs, int stride_vh, int stride_btb, int stride_sp, int scale_div, int log2_ps,
+                  int stride_os, int stride_ot, int stride_oh, int stride_ls, int stride_lt, int direct,
+                  double scale_log2_d) {
+  __shared__ float sm_o[NW][G][D];
+  __shared__ float sm_m[NW][G];
+  __shared__ float sm_l[NW][G];
+  const int i = blockIdx.x, kh = blockIdx.y, s = blockIdx.z, splits = gridDim.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float scale_log2 = (float)scale_log2_d;
+  const int tok = tok_idx[i], req = req_idx[i], kv_len = kv_lens[i];
+  const int ps_mask = (1 << log2_ps) - 1;
+  const int per_split = (kv_len + splits - 1) / splits;
+  const int chunk = (per_split + NW * TILE - 1) / (NW * TILE) * (NW * TILE);
+  const int start = s * chunk;
+  const int end = min(start + chunk, kv_len);
+  const int* bt = block_table + (long long)req * stride_btb;
+
+  // q: rows g (and g + 8 when G > 8) of the A operand; hi and lo e4m3 parts per register of q_dim's columns
+  u32 qa_hi[ROWS][8], qa_lo[ROWS][8];
+  float qs[ROWS];
+  const u16* q_base = q + (long long)tok * stride_qt + (long long)kh * G * stride_qh;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    int head = g + 8 * r;
+    quantize_q(q_base + (long long)(head < G ? head : 0) * stride_qh, head, t, qa_hi[r], qa_lo[r], &qs[r]);
+  }
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float m_run[ROWS], l_run[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) { m_run[r] = NEG_INF; l_run[r] = 0.0f; }
+  float v_ref = 0.0f;   // the largest V scale of the pages seen (warp-uniform)
+
+  for (int tile = start + warp * TILE; tile < end; tile += NW * TILE) {
+    // The tile's four runs of 8 keys (each within one page: PS >= 8, tiles start on 8 keys)
+    int page[4];
+    float ks[4], vs[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int key0 = tile + nt * 8;
+      page[nt] = key0 < end ? bt[key0 >> log2_ps] : 0;
+      long long sp = (long long)(page[nt] / scale_div) * stride_sp + kh;
+      ks[nt] = key0 < end ? k_scales[sp] : 0.0f;
+      vs[nt] = key0 < end ? v_scales[sp] : 0.0f;
+    }
+    // K: key tile + 8 nt + g, bytes 16 t .. and 64 + 16 t ..; V: keys 16 j + 8 h + 2 t + e, bytes 16 g ..
+    u32x4 kr[4][2], vr[2][2][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int key = tile + nt * 8 + g;
+      const u8* p = k_cache + (long long)page[nt] * stride_kb + (long long)(key0_slot(tile, nt, ps_mask) + g) * stride_ks
+                    + (long long)kh * stride_kh;
+      kr[nt][0] = load16(p + 16 * t, key < end);
+      kr[nt][1] = load16(p + 64 + 16 * t, key < end);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          int nt = 2 * j + h, key = tile + 8 * nt + 2 * t + e;
+          const u8* p = v_cache + (long long)page[nt] * stride_vb
+                        + (long long)(key0_slot(tile, nt, ps_mask) + 2 * t + e) * stride_vs + (long long)kh * stride_vh;
+          vr[j][h][e] = load16(p + 16 * g, key < end);
+        }
+    // S = q.K (log2 units)
+    float sc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        u32 b0 = word(kr[nt][(2 * kk) / 4], (2 * kk) % 4), b1 = word(kr[nt][(2 * kk + 1) / 4], (2 * kk + 1) % 4);
+        u32 a1h = ROWS > 1 ? qa_hi[ROWS - 1][2 * kk] : 0u, a3h = ROWS > 1 ? qa_hi[ROWS - 1][2 * kk + 1] : 0u;
+        u32 a1l = ROWS > 1 ? qa_lo[ROWS - 1][2 * kk] : 0u, a3l = ROWS > 1 ? qa_lo[ROWS - 1][2 * kk + 1] : 0u;
+        mma_e4m3(sc[nt], qa_hi[0][2 * kk], a1h, qa_hi[0][2 * kk + 1], a3h, b0, b1);
+        mma_e4m3(sc[nt], qa_lo[0][2 * kk], a1l, qa_lo[0][2 * kk + 1], a3l, b0, b1);
+      }
+    }
+    // Online softmax per row (heads g, g + 8): the row's keys are spread over the quad (t)
+    float v_top = fmaxf(fmaxf(vs[0], vs[1]), fmaxf(vs[2], vs[3]));
+    float v_new = fmaxf(v_ref, v_top);
+    float v_fac = v_new > 0.0f ? v_ref / v_new : 1.0f;
+    float v_inv = v_new > 0.0f ? PSCALE / v_new : 0.0f;
+    float alpha[2] = {1.0f, 1.0f};
+    u32 pa[2][2][2];   // [k-step j][row r][n-tile 2 j + h] f16x2
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float rs = qs[r] * scale_log2, tmax = NEG_INF;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = sc[nt][2 * r + e] * ks[nt] * rs;
+          x = (tile + 8 * nt + 2 * t + e) < end ? x : NEG_INF;
+          sc[nt][2 * r + e] = x;
+          tmax = fmaxf(tmax, x);
+        }
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+      float m_new = fmaxf(m_run[r], tmax);
+      float m_safe = m_new == NEG_INF ? 0.0f : m_new;
+      alpha[r] = exp2f(m_run[r] - m_safe);
+      float sum = 0.0f, p[4][2];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          p[nt][e] = exp2f(sc[nt][2 * r + e] - m_safe);
+          sum += p[nt][e];
+        }
+      l_run[r] = l_run[r] * alpha[r] + sum;
+      m_run[r] = m_new;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int nt = 2 * j + h;
+          float w = vs[nt] * v_inv;
+          pa[j][r][h] = f16x2_of(p[nt][1] * w, p[nt][0] * w);
+        }
+    }
+    v_ref = v_new;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      acc[n][0] *= alpha[0] * v_fac; acc[n][1] *= alpha[0] * v_fac;
+      acc[n][2] *= alpha[1] * v_fac; acc[n][3] *= alpha[1] * v_fac;
+    }
+    // O += P.V: k-step j holds keys 16 j .. 16 j + 15 (n-tiles 2 j, 2 j + 1); dims n-tile n = 4 m + b: thread g's
+    // dim 16 g + n (its load's byte n), the B operand's two keys per register interleaved by one byte permute
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      u32 a1 = ROWS > 1 ? pa[j][ROWS - 1][0] : 0u, a3 = ROWS > 1 ? pa[j][ROWS - 1][1] : 0u;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        u32 lo0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x5140);
+        u32 hi0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x7362);
+        u32 lo1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x5140);
+        u32 hi1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x7362);
+        u32 b0[4] = {f16x2_of_e4m3x2((u16)(lo0 & 0xffffu)), f16x2_of_e4m3x2((u16)(lo0 >> 16)),
+                     f16x2_of_e4m3x2((u16)(hi0 & 0xffffu)), f16x2_of_e4m3x2((u16)(hi0 >> 16))};
+        u32 b1[4] = {f16x2_of_e4m3x2((u16)(lo1 & 0xffffu)), f16x2_of_e4m3x2((u16)(lo1 >> 16)),
+                     f16x2_of_e4m3x2((u16)(hi1 & 0xffffu)), f16x2_of_e4m3x2((u16)(hi1 >> 16))};
+#pragma unroll
+        for (int b = 0; b < 4; ++b) mma_f16(acc[4 * m + b], pa[j][0][0], a1, pa[j][0][1], a3, b0[b], b1[b]);
+      }
+    }
+  }
+
+  // The warp's rows: l summed over the quad; unnormalised outputs (V scales applied) to shared memory
+  float o_fac = v_ref / PSCALE;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    int head = g + 8 * r;
+    if (head < G) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sm_o[warp][head][16 * (2 * t + e) + n] = acc[n][2 * r + e] * o_fac;
+      if (t == 0) { sm_m[warp][head] = m_run[r]; sm_l[warp][head] = l_run[r]; }
+    }
+  }
+  __syncthreads();
+  // The block's warps merged by their maxima; one row per (head, dim)
+  const long long row = direct ? (long long)tok : (long long)i;
+  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
+    int head = idx / D, dim = idx % D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][head]);
+    float l = 0.0f, o = 0.0f;
+    if (mx != NEG_INF) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        float f = exp2f(sm_m[w][head] - mx);
+        l += sm_l[w][head] * f;
+        o += sm_o[w][head][dim] * f;
+      }
+    }
+    bool has_keys = l > 0.0f;
+    float val = has_keys ? o / l : 0.0f;
+    long long q_head = (long long)kh * G + head;
+    long long at = (long long)(direct ? 0 : s) * stride_os + row * stride_ot + q_head * stride_oh + dim;
+#if OUT_KIND == 0
+    reinterpret_cast<float*>(out)[at] = val;
+#elif OUT_KIND == 1
+    u32 bits = __float_as_uint(val);
+    bits += 0x7fffu + ((bits >> 16) & 1u);   // round to nearest even (outputs are finite)
+    reinterpret_cast<u16*>(out)[at] = (u16)(bits >> 16);
+#else
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(val));
+    reinterpret_cast<u16*>(out)[at] = h;
+#endif
+    if (dim == 0)
+      lse[(long long)(direct ? 0 : s) * stride_ls + row * stride_lt + q_head] =
+          has_keys ? (mx + __log2f(l)) * LN2 : NEG_INF;
+  }
+}

@@ -1,0 +1,133 @@
+"""The TRITON backend's paged decode of an fp8 e4m3 cache as a CUDA kernel on tensor cores (issue 22's <= 0.6x bf16;
+DECODE_CONFIG fp8_cuda). The kernel is cuda/fp8_decode.cu, compiled at first use by NVRTC (the runtime compiler every
+CUDA build of torch ships, so no CUDA toolkit is needed) and launched through the driver, as torch.cuda's
+_compile_kernel does; launches are captured by CUDA graphs like any other.
+
+Legend: T tokens, Q query heads, K kv heads, G = Q / K, D head size (128), PS tokens per page.
+
+Why a CUDA kernel (measured on an H200, benchmarks/RESULTS.md): the Triton kernels convert every cached fp8 value to
+16 bits before their dots and stage tiles through shared memory into the dots' layouts; the best of them reads half of
+bf16's bytes in 0.84x its time (2.5 TB/s against bf16's 4.2). Triton's SM90 fp8 dot (wgmma) needs M = 64 rows, 60
+of them padding at G = 4 (1.29x bf16). Here each warp loads K and V from global memory straight into mma.sync's
+operand registers, with no shared memory and no barrier in the key loop:
+- q.K as m16n8k32 e4m3 mma: K as stored is the B operand (each key's 128 bytes are its k axis; the k axis is permuted
+  the same way for q, which leaves the sum unchanged), q the A operand (G rows of 16) in two e4m3 parts, hi + lo of
+  q / qs (qs = the row's largest |q| / 256), so bf16 queries lose nothing: no conversion of K at all.
+- P.V as m16n8k16 f16 mma: P comes from the q.K accumulators of the same thread (FA2's layout, keys permuted to fit),
+  V is converted e4m3 -> f16 by one cvt per two values after one byte permute per two values (V's rows are the
+  contraction axis, which an fp8 B operand cannot take without a transpose).
+- fp8 scales (per page and kv head, powers of two): the logits times each page's K scale; P times each page's V scale
+  over the largest seen so far (a running maximum, like the softmax's: the accumulator is rescaled when it grows)
+  times 2^15 in f16, so probabilities down to 2^-39 of the row's largest keep their value.
+- A block of 4 warps per (token, kv head, split) takes 32-key tiles in turn; the warps merge in shared memory at the
+  end; the splits merge as the Triton kernels' do (merge_attn_states_triton), or the block writes the rows directly.
+
+Served (else the Triton kernels serve): e4m3 caches with per-page scales, plain decodes (one query per program, no
+window, no soft cap), D = 128, G <= 16, PS a power of two >= 8, bf16 / f16 queries, int32 indices, compute
+capability >= 8.9 (e4m3 mma). Validated against float64 on the GPU (tests/gpu/test_cuda_decode_fp8_gpu.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cuda") / "fp8_decode.cu"
+KERNEL = "cpattn_fp8_decode"
+THREADS = 128            # NW = 4 warps in the source
+E4M3 = torch.float8_e4m3fn
+_Q_KIND = {torch.bfloat16: 1, torch.float16: 2}
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def fp8_cuda_unserved(cfg: dict, q: torch.Tensor, k_cache: torch.Tensor, kv_scale, queries: int, key_start,
+                      soft_cap, indices: tuple[torch.Tensor, ...]) -> list[str]:
+    """Why this launch cannot take the CUDA kernel (empty: it can). ``indices``: block table, tokens, requests and
+    key counts."""
+    if not cfg.get("fp8_cuda"):
+        return ["the configuration does not ask for it (fp8_cuda)"]
+    why = []
+    if kv_scale is None or k_cache.dtype != E4M3:
+        why.append(f"the cache is {k_cache.dtype}, not e4m3 with page scales")
+    if queries != 1 or key_start is not None or soft_cap is not None:
+        why.append("query groups, windows and soft caps take the Triton kernels")
+    _, ps, hk, d = k_cache.shape
+    hq = q.shape[1]
+    if d != 128 or hq % hk or hq // hk > 16:
+        why.append(f"head size {d} (128 only) or {hq} q heads over {hk} kv heads (G <= 16 only)")
+    if ps < 8 or ps & (ps - 1):
+        why.append(f"pages of {ps} tokens (a power of two >= 8 only)")
+    if q.dtype not in _Q_KIND or q.stride(2) != 1 or k_cache.stride(3) != 1:
+        why.append("queries not bf16 / f16 with contiguous heads, or a cache whose heads are not contiguous")
+    if any(t.dtype != torch.int32 for t in indices):
+        why.append("indices not int32")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) < (8, 9):
+        why.append("not a CUDA device of compute capability >= 8.9 (e4m3 mma)")
+    return why
+
+
+def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in: tuple, logit_args: list,
+                    out: torch.Tensor, lse: torch.Tensor, direct: bool, common: dict) -> None:
+    """One launch over (tokens, K, splits), arguments as triton_decode.paged_decode passes its kernels; ``out`` /
+    ``lse`` the output rows (direct: splits == 1) or the split partials [S, T, Q, D] / [S, T, Q]."""
+    q, k_cache, v_cache, table, tok, req, lens, _, ks, vs = args_head
+    if k_cache.shape[1] & (k_cache.shape[1] - 1):
+        raise ValueError(f"pages of {k_cache.shape[1]} tokens: not a power of two")
+    stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
+    kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], _arch(q.device))
+    if direct:
+        o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
+    else:
+        o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
+    kernel(grid=(grid_tokens, k_cache.shape[2], splits), block=(THREADS, 1, 1),
+           args=[q, k_cache, v_cache, table, tok, req, lens, ks, vs, out, lse, stride_qt, stride_qh, skb, sks, skh,
+                 svb, svs, svh, stride_btb, stride_sp, scale_div, k_cache.shape[1].bit_length() - 1, *o_strides,
+                 *l_strides, int(direct), float(logit_args[0])])
+
+
+@functools.lru_cache(maxsize=None)
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(g: int, q_kind: int, out_kind: int, arch: str):
+    """The kernel for G heads per kv head, the query and output dtypes and the device's architecture (compiled
+    once per process: ~2 s)."""
+    from torch.cuda import _utils as cuda_utils
+
+    options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
+               f"-DOUT_KIND={out_kind}"]
+    cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
+    return cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
+
+
+def nvrtc_compile(lib: ctypes.CDLL, source: str, options: list[str]) -> bytes:
+    """``source`` compiled by NVRTC (``lib``) to a cubin; a failure raises with the compiler's log."""
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"fp8_decode.cu", 0, None, None))
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        if lib.nvrtcCompileProgram(prog, len(options), opts) != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {SOURCE.name} ({' '.join(options)}):\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, cubin))
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _check(lib: ctypes.CDLL, result: int) -> None:
+    if result != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC error {result}: {lib.nvrtcGetErrorString(result).decode()}")
