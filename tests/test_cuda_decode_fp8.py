@@ -18,7 +18,7 @@ def test_every_reason_is_named():
     q = torch.zeros(1, 32, 64, dtype=torch.float32)
     cache = torch.zeros(4, 12, 8, 64, dtype=torch.float8_e5m2)
     idx = torch.zeros(1, dtype=torch.int64)
-    why = cd.fp8_cuda_unserved({"fp8_cuda": True}, q, cache, torch.ones(2, 4, 8), 2, None, 30.0, (idx,))
+    why = cd.fp8_cuda_unserved({"fp8_cuda": True}, q, cache, torch.ones(2, 4, 8), 2, None, 30.0, (idx, idx))
     for words in ("not e4m3", "query groups", "head size 64", "pages of 12", "bf16 / f16", "int32", "CUDA device"):
         assert any(words in w for w in why), (words, why)
     assert cd.fp8_cuda_unserved({}, q, cache, None, 1, None, None, ()) == [

@@ -74,5 +74,5 @@ def test_cuda_fp8_decode_declines_what_it_does_not_serve(counted):
     cache = torch.zeros(4, 16, 8, 64, dtype=torch.float8_e4m3fn, device="cuda")
     idx = torch.zeros(1, dtype=torch.int64, device="cuda")
     why = cuda_decode_fp8.fp8_cuda_unserved({"fp8_cuda": True}, q, cache, torch.ones(2, 4, 8), 1, None, None,
-                                            (idx,))
+                                            (idx, idx))
     assert any("head size 64" in w for w in why) and any("int32" in w for w in why), why

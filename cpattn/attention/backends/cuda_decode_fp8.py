@@ -62,8 +62,9 @@ def fp8_cuda_unserved(cfg: dict, q: torch.Tensor, k_cache: torch.Tensor, kv_scal
         why.append(f"pages of {ps} tokens (a power of two >= 8 only)")
     if q.dtype not in _Q_KIND or q.stride(2) != 1 or k_cache.stride(3) != 1:
         why.append("queries not bf16 / f16 with contiguous heads, or a cache whose heads are not contiguous")
-    if any(t.dtype != torch.int32 for t in indices):
-        why.append("indices not int32")
+    if indices and (indices[0].dtype not in (torch.int32, torch.int64) or any(t.dtype != torch.int32
+                                                                               for t in indices[1:])):
+        why.append("indices not int32 (the block table int32 or int64)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) < (8, 9):
         why.append("not a CUDA device of compute capability >= 8.9 (e4m3 mma)")
     return why
@@ -77,7 +78,8 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     if k_cache.shape[1] & (k_cache.shape[1] - 1):
         raise ValueError(f"pages of {k_cache.shape[1]} tokens: not a power of two")
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
-    kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], _arch(q.device))
+    kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64,
+                     _arch(q.device))
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
@@ -95,13 +97,13 @@ def _arch(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, arch: str):
-    """The kernel for G heads per kv head, the query and output dtypes and the device's architecture (compiled
-    once per process: ~2 s)."""
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, arch: str):
+    """The kernel for G heads per kv head, the query and output dtypes, the block table's and the device's
+    architecture (compiled once per process: ~1 s)."""
     from torch.cuda import _utils as cuda_utils
 
     options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}"]
+               f"-DOUT_KIND={out_kind}"] + (["-DBT64"] if table64 else [])
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
     return cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
 

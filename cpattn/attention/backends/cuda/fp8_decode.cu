@@ -18,6 +18,11 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
+#ifndef BT64       // the block table's entries: int32, or int64 with -DBT64
+typedef int bt_t;
+#else
+typedef long long bt_t;
+#endif
 #define NW 4
 #define TILE 32
 #define D 128
@@ -129,7 +134,7 @@ __device__ __forceinline__ void quantize_q(const u16* q_row, int head, int t, u3
 
 extern "C" __global__ void __launch_bounds__(NW * 32, 2)
 cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
-                  const int* __restrict__ block_table, const int* __restrict__ tok_idx, const int* __restrict__ req_idx,
+                  const bt_t* __restrict__ block_table, const int* __restrict__ tok_idx, const int* __restrict__ req_idx,
                   const int* __restrict__ kv_lens, const float* __restrict__ k_scales,
                   const float* __restrict__ v_scales, void* __restrict__ out, float* __restrict__ lse,
                   int stride_qt, int stride_qh, int stride_kb, int stride_ks, int stride_kh, int stride_vb,
@@ -148,7 +153,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
   const int chunk = (per_split + NW * TILE - 1) / (NW * TILE) * (NW * TILE);
   const int start = s * chunk;
   const int end = min(start + chunk, kv_len);
-  const int* bt = block_table + (long long)req * stride_btb;
+  const bt_t* bt = block_table + (long long)req * stride_btb;
 
   // q: rows g (and g + 8 when G > 8) of the A operand; hi and lo e4m3 parts per register of q_dim's columns
   u32 qa_hi[ROWS][8], qa_lo[ROWS][8];
@@ -174,7 +179,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       int key0 = tile + nt * 8;
-      page[nt] = key0 < end ? bt[key0 >> log2_ps] : 0;
+      page[nt] = key0 < end ? (int)bt[key0 >> log2_ps] : 0;
       long long sp = (long long)(page[nt] / scale_div) * stride_sp + kh;
       ks[nt] = key0 < end ? k_scales[sp] : 0.0f;
       vs[nt] = key0 < end ? v_scales[sp] : 0.0f;
