@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
-from cpattn.kvstore import dcp_local_seq_lens
-from cpattn.kvstore.fp8_graphed import written_pages_of_steps
+from cpattn.kvstore.fp8_graphed import written_pages_of_steps_host
+from cpattn.kvstore.sharding import dcp_local_seq_lens_host
 
 logger = logging.getLogger("cpattn")
 
@@ -72,19 +73,23 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     t = run.positions.shape[1]
     if t == 0:
         return None
-    seq_lens, prefix = run.seq_lens, None
+    # The run's [S, B] arrays are read by numpy (views of the tensors): a torch op on a run's arrays (over its
+    # 32K-element grain at 64 sequences x 128 steps) waits for torch's intra-op threads on a loaded client host
+    run_lens = seq_lens = run.seq_lens.numpy()
+    prefix = None
     if key[4] is not None:   # the captured bucket reads a prefix pass: only the template's, from its own split
         prefix = None if template is None else template.prefix_pass
         if prefix is None or graphs.prefix_source is not prefix or template.prefix_shift.shape[0] != t:
             return None
-        seq_lens = run.seq_lens - template.prefix_shift
-        if bool((seq_lens < 0).any()):
+        seq_lens = run_lens - template.prefix_shift.numpy()
+        if (seq_lens < 0).any():
             return None
-    max_kv = seq_lens.amax(dim=1).tolist()
-    serves = run.computes.all(dim=1).tolist()
-    starts = {w: dcp_local_seq_lens((run.positions - w + 1).clamp(min=0), run.world_size, run.rank, run.interleave)
+    max_kv = seq_lens.max(axis=1).tolist()
+    serves = run.computes.numpy().all(axis=1).tolist()
+    positions = run.positions.numpy()
+    starts = {w: dcp_local_seq_lens_host(np.maximum(positions - w + 1, 0), run.world_size, run.rank, run.interleave)
               for w in sorted({w for w in builder.spec.sliding_windows if w is not None})}
-    in_window = {w: (run.seq_lens - s).clamp(min=0).amax(dim=1).tolist() for w, s in starts.items()}
+    in_window = {w: np.maximum(run_lens - s, 0).max(axis=1).tolist() for w, s in starts.items()}
     # key[2] is the table's width bucket: one table for the whole run, so only the split counts can change
     def key_of(j: int) -> tuple | None:
         k = builder.decode_graph_key(t, max_kv[j], key[2], {w: most[j] for w, most in in_window.items()})
@@ -94,12 +99,13 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     # Laid out on the host and moved once (one copy, not one per buffer)
     replica, written = run.replica_slots, None
     if graphs.written is not None:
-        rows = run.slots if replica is None else torch.cat([run.slots, replica], dim=1)
-        written = written_pages_of_steps(rows, graphs.runner.config.block_size)
+        rows = run.slots.numpy() if replica is None else np.concatenate([run.slots.numpy(), replica.numpy()], axis=1)
+        written = written_pages_of_steps_host(rows, graphs.runner.config.block_size)
     try:
-        packed = graphs.arena.pack(graphs.step_rows(run.slots, seq_lens.to(torch.int32),
-                                                    {w: s.to(torch.int32) for w, s in starts.items()}, replica,
-                                                    written))
+        step_rows = graphs.step_rows(run.slots, torch.from_numpy(seq_lens.astype(np.int32)),
+                                     {w: torch.from_numpy(s.astype(np.int32)) for w, s in starts.items()}, replica,
+                                     written)
+        packed = graphs.arena.pack(step_rows)
     except ValueError as exc:   # rows unlike the buffers (a builder's other dtypes): planned steps serve the run
         logger.warning("decode run rows do not fit the graphs' step buffers (%s): its steps are planned", exc)
         return None
@@ -151,7 +157,7 @@ class SteadyRun:
             return None
         serves = [True] * len(steps.ranks[0].step_ids)
         for r in remote:   # each remote shard sends every row (the template's remote rows, every step)
-            serves = [s and every for s, every in zip(serves, steps.ranks[r].computes.all(dim=1).tolist())]
+            serves = [s and every for s, every in zip(serves, steps.ranks[r].computes.numpy().all(axis=1).tolist())]
         rows = {}
         for r, planned in template.local.items():
             g = graphs.get(r)
