@@ -94,8 +94,9 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     def key_of(j: int) -> tuple | None:
         k = builder.decode_graph_key(t, max_kv[j], key[2], {w: most[j] for w, most in in_window.items()})
         return None if k is None else k + key[3:]
-    # A window's keys inside it can shrink as the window slides past this shard's keys: every step asked then
-    keys = [key_of(j) for j in range(len(max_kv))] if in_window else keys_of_steps(key_of, len(max_kv))
+    # Each part of a key is a monotone function of one of these (decode_graph_key): a window's keys inside it can
+    # shrink as the window slides past this shard's keys, so its stretches are asked apart
+    keys = keys_of_steps(key_of, len(max_kv), [max_kv, *in_window.values()])
     # Laid out on the host and moved once (one copy, not one per buffer)
     replica, written = run.replica_slots, None
     if graphs.written is not None:
@@ -112,13 +113,22 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     return LocalRunRows(graphs, keys, packed.to(graphs.runner.device, non_blocking=True), prefix), serves
 
 
-def keys_of_steps(key_of, n: int) -> list:
-    """[key_of(j) for j < n] for keys that only grow with j, asked about 2 log2(n) times per change of key, not n
-    times (128 steps' keys cost ~0.7 ms asked one by one). Without windows a decode run's keys are such: each row's
-    key count only grows, and the split count of the longest (decode_graph_key) only grows with it."""
+def keys_of_steps(key_of, n: int, inputs: list[list[int]] = ()) -> list:
+    """[key_of(j) for j < n] for keys each part of which is a monotone function of one of ``inputs`` (each step's
+    values, n apiece), asked about 2 log2(n) times per change of key in each stretch of steps where every input
+    is monotone (no input given: every key's inputs only grow), not n times (128 steps' keys cost ~0.7 ms asked
+    one by one on an H200 host, ~4-5 ms with a window on a CPU one). Inside such a stretch each part lies between
+    its values at the stretch's ends, so a key equal at both ends is the key of every step between. A decode run's
+    keys are such (decode_graph_key): its splits grow with the longest row's key count, each window's with the
+    most keys a row sees inside it (which can grow, stay, or shrink as the window slides)."""
     if n == 0:
         return []
-    keys = [None] * n
+    keys, asked = [None] * n, {}
+
+    def ask(j: int):
+        if j not in asked:
+            asked[j] = key_of(j)
+        return asked[j]
 
     def fill(lo: int, hi: int, k_lo, k_hi) -> None:
         if k_lo == k_hi:
@@ -127,11 +137,27 @@ def keys_of_steps(key_of, n: int) -> list:
             keys[lo], keys[hi] = k_lo, k_hi
         else:
             mid = (lo + hi) // 2
-            k_mid = key_of(mid)
+            k_mid = ask(mid)
             fill(lo, mid, k_lo, k_mid)
             fill(mid, hi, k_mid, k_hi)
-    fill(0, n - 1, key_of(0), key_of(n - 1))
+    ends = _monotone_stretches(inputs, n)
+    for lo, hi in zip(ends, ends[1:]):
+        fill(lo, hi, ask(lo), ask(hi))
+    if n == 1:
+        keys[0] = ask(0)
     return keys
+
+
+def _monotone_stretches(inputs: list[list[int]], n: int) -> list[int]:
+    """The steps 0 = e_0 < e_1 < ... = n - 1 such that every input is monotone (non-decreasing or non-increasing)
+    over each [e_k, e_k+1]: an input turns at step i when its step i -> i + 1 change has the other sign than its
+    last nonzero change before."""
+    ends = {0, n - 1}
+    for values in inputs:
+        sign = np.sign(np.diff(np.asarray(values, dtype=np.int64)))
+        moves = np.flatnonzero(sign)
+        ends.update(moves[1:][sign[moves[1:]] != sign[moves[:-1]]].tolist())
+    return sorted(ends)
 
 
 class SteadyRun:
