@@ -56,9 +56,11 @@ def written_pages_of_steps_host(slots_SR: np.ndarray, page_tokens: int) -> Writt
     sequences x 128 steps x 2 slot arrays) waits for torch's intra-op threads."""
     steps, rows = slots_SR.shape
     valid = slots_SR >= 0
-    first = valid.argmax(axis=1)[:, None]                                              # [S, 1]: 0 when none writes
-    src = np.where(valid, np.arange(rows, dtype=np.int64)[None, :], first).astype(np.int64, copy=False)
-    slots = np.take_along_axis(slots_SR.astype(np.int64, copy=False), src, axis=1)
+    slots_SR = slots_SR.astype(np.int64, copy=False)
+    first = valid.argmax(axis=1)                                                       # [S]: 0 when none writes
+    src = np.where(valid, np.arange(rows, dtype=np.int64)[None, :], first[:, None].astype(np.int64))
+    # the gather's values without a gather: a row that writes keeps its slot, the others take the first's
+    slots = np.where(valid, slots_SR, slots_SR[np.arange(steps), first][:, None])
     writes = slots >= 0
     pages = np.where(writes, slots // page_tokens, 0).astype(np.int64, copy=False)
     fresh = writes & (slots % page_tokens == 0)
