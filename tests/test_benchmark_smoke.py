@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import cpattn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +59,17 @@ def test_plan_cost_smoke_measures_every_part(tmp_path):
     assert rows["decode_smoke"]["steps_per_begin"] == cpattn.ServiceConfig.model_fields["decode_run_steps"].default and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
+
+
+def test_steady_rows_cost_smoke_times_every_part(tmp_path):
+    """benchmarks/steady_rows_cost.py (SteadyRun.of on the CPU, TRITON's builder under the Triton interpreter)."""
+    pytest.importorskip("triton")
+    rows = {r["case"]: r for r in _smoke_rows(tmp_path, "steady_rows_cost.py", timeout_s=300)}
+    assert set(rows) == {"b4_smoke", "b4_fp8_w64_smoke"}
+    for r in rows.values():
+        assert 0 < r["of_ms_median"] <= r["of_ms_max"] and r["keys_ms"] > 0 and r["pack_ms"] > 0, r
+    assert rows["b4_fp8_w64_smoke"]["written_ms"] > 0 and rows["b4_smoke"]["written_ms"] == 0   # fp8 scales only
+    assert rows["b4_fp8_w64_smoke"]["bytes_per_step"] > rows["b4_smoke"]["bytes_per_step"]
 
 
 def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):

@@ -235,6 +235,36 @@ def test_keys_of_steps_asks_few_keys_and_gives_every_one(seed):
     assert keys_of_steps(key_of, 0) == []
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_keys_of_steps_with_inputs_that_turn_gives_every_key(seed):
+    """Keys whose parts are monotone functions of inputs that grow, stay and shrink (a window's keys inside it as
+    it slides past a shard's): every key as asked one by one, each stretch where every input is monotone asked
+    about 2 log2(n) times per change of key in it."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 300)
+    grows = sorted(rng.randrange(0, 5000) for _ in range(n))
+    turns, v = [], rng.randrange(0, 400)
+    for _ in range(n):   # a random walk: runs of steps up, flat or down
+        v = max(0, v + rng.choice([-3, -1, 0, 0, 1, 2]) * (rng.random() < 0.5))
+        turns.append(v)
+    buckets, coarse = sorted(rng.sample(range(1, 5000), 6)), rng.choice([1, 3, 10])
+
+    def part(x):   # a monotone step function, as decode_num_splits is of keys
+        return sum(x >= b for b in buckets)
+    asked = []
+
+    def key_of(j):
+        asked.append(j)
+        return (7, (part(grows[j]), ("w", turns[j] // coarse)), 64)
+    want = [(7, (part(g), ("w", t // coarse)), 64) for g, t in zip(grows, turns)]
+    assert keys_of_steps(key_of, n, [grows, turns]) == want, seed
+    assert len(asked) == len(set(asked))   # an end shared by two stretches is asked once
+    moves = [b > a for a, b in zip(turns, turns[1:]) if b != a]   # up or down, flat steps left out
+    stretches = 1 + sum(a != b for a, b in zip(moves, moves[1:]))
+    changes = sum(a != b for a, b in zip(want, want[1:]))
+    assert len(asked) <= 2 * stretches + 2 * changes * max(1, n.bit_length()) + 2, (n, stretches, changes, len(asked))
+
+
 def _two_segments(rng: random.Random, shards: int, interleave: int, replicas: int, first: int, second: int):
     """A decode run's first segment and an extension planned from its end (as StepLedger.extend does: the pages of
     the extension's steps grown after the segment's, its tables gathered anew)."""

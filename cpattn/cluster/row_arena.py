@@ -10,6 +10,7 @@ Legend: S steps, N bytes of one step's rows.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -33,19 +34,25 @@ class RowArena:
             offset += size
 
     def pack(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """[S, N] uint8: row j is step j's values of every buffer in this arena's layout (``rows[i]``: [S, ...] of
-        buffer i's dtype and, per step, its shape), for ``fill``."""
+        """[S, N] uint8 on the host: row j is step j's values of every buffer in this arena's layout (``rows[i]``:
+        [S, ...] of buffer i's dtype and, per step, its shape, on the host), for ``fill``.
+        Laid out by numpy: a run's S x N bytes (~98K at 64 sequences x 128 steps) are over torch's 32K-element
+        grain, and torch.cat waited for its intra-op threads, 2-48 ms on a loaded 2-core host (0.1 ms here)."""
         if len(rows) != len(self.shapes):
             raise ValueError(f"{len(rows)} row arrays for an arena of {len(self.shapes)} buffers")
         steps = rows[0].shape[0]
-        parts = []
+        out = np.empty((steps, self.bytes.numel()), dtype=np.uint8)
+        offset = 0
         for i in self.order:
             shape, dtype = self.shapes[i]
             r = rows[i]
             if r.dtype != dtype or tuple(r.shape[1:]) != tuple(shape):
                 raise ValueError(f"rows {i}: {r.dtype} {tuple(r.shape)} for a buffer of {dtype} {tuple(shape)}")
-            parts.append(r.reshape(steps, -1).contiguous().view(torch.uint8))
-        return torch.cat(parts, dim=1)
+            part = r.reshape(steps, -1)
+            part = (part if part.is_contiguous() else part.contiguous()).view(torch.uint8).numpy()   # views
+            out[:, offset:offset + part.shape[1]] = part
+            offset += part.shape[1]
+        return torch.from_numpy(out)
 
     def fill(self, packed_row: torch.Tensor) -> None:
         """One step's values (a row of ``pack``'s result) into every buffer: one copy."""

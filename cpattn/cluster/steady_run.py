@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from cpattn.attention.cascade_plan import PrefixPass
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import RankRun, RunSteps
-from cpattn.kvstore import dcp_local_seq_lens
-from cpattn.kvstore.fp8_graphed import written_pages_of_steps
+from cpattn.kvstore.fp8_graphed import written_pages_of_steps_host
+from cpattn.kvstore.sharding import dcp_local_seq_lens_host
 
 logger = logging.getLogger("cpattn")
 
@@ -72,47 +73,62 @@ def local_run_rows(run: RankRun, graphs: DecodeGraphs, template=None) -> tuple[L
     t = run.positions.shape[1]
     if t == 0:
         return None
-    seq_lens, prefix = run.seq_lens, None
+    # The run's [S, B] arrays are read by numpy (views of the tensors): a torch op on a run's arrays (over its
+    # 32K-element grain at 64 sequences x 128 steps) waits for torch's intra-op threads on a loaded client host
+    run_lens = seq_lens = run.seq_lens.numpy()
+    prefix = None
     if key[4] is not None:   # the captured bucket reads a prefix pass: only the template's, from its own split
         prefix = None if template is None else template.prefix_pass
         if prefix is None or graphs.prefix_source is not prefix or template.prefix_shift.shape[0] != t:
             return None
-        seq_lens = run.seq_lens - template.prefix_shift
-        if bool((seq_lens < 0).any()):
+        seq_lens = run_lens - template.prefix_shift.numpy()
+        if (seq_lens < 0).any():
             return None
-    max_kv = seq_lens.amax(dim=1).tolist()
-    serves = run.computes.all(dim=1).tolist()
-    starts = {w: dcp_local_seq_lens((run.positions - w + 1).clamp(min=0), run.world_size, run.rank, run.interleave)
+    max_kv = seq_lens.max(axis=1).tolist()
+    serves = run.computes.numpy().all(axis=1).tolist()
+    positions = run.positions.numpy()
+    starts = {w: dcp_local_seq_lens_host(np.maximum(positions - w + 1, 0), run.world_size, run.rank, run.interleave)
               for w in sorted({w for w in builder.spec.sliding_windows if w is not None})}
-    in_window = {w: (run.seq_lens - s).clamp(min=0).amax(dim=1).tolist() for w, s in starts.items()}
+    in_window = {w: np.maximum(run_lens - s, 0).max(axis=1).tolist() for w, s in starts.items()}
     # key[2] is the table's width bucket: one table for the whole run, so only the split counts can change
     def key_of(j: int) -> tuple | None:
         k = builder.decode_graph_key(t, max_kv[j], key[2], {w: most[j] for w, most in in_window.items()})
         return None if k is None else k + key[3:]
-    # A window's keys inside it can shrink as the window slides past this shard's keys: every step asked then
-    keys = [key_of(j) for j in range(len(max_kv))] if in_window else keys_of_steps(key_of, len(max_kv))
+    # Each part of a key is a monotone function of one of these (decode_graph_key): a window's keys inside it can
+    # shrink as the window slides past this shard's keys, so its stretches are asked apart
+    keys = keys_of_steps(key_of, len(max_kv), [max_kv, *in_window.values()])
     # Laid out on the host and moved once (one copy, not one per buffer)
     replica, written = run.replica_slots, None
     if graphs.written is not None:
-        rows = run.slots if replica is None else torch.cat([run.slots, replica], dim=1)
-        written = written_pages_of_steps(rows, graphs.runner.config.block_size)
+        rows = run.slots.numpy() if replica is None else np.concatenate([run.slots.numpy(), replica.numpy()], axis=1)
+        written = written_pages_of_steps_host(rows, graphs.runner.config.block_size)
     try:
-        packed = graphs.arena.pack(graphs.step_rows(run.slots, seq_lens.to(torch.int32),
-                                                    {w: s.to(torch.int32) for w, s in starts.items()}, replica,
-                                                    written))
+        step_rows = graphs.step_rows(run.slots, torch.from_numpy(seq_lens.astype(np.int32)),
+                                     {w: torch.from_numpy(s.astype(np.int32)) for w, s in starts.items()}, replica,
+                                     written)
+        packed = graphs.arena.pack(step_rows)
     except ValueError as exc:   # rows unlike the buffers (a builder's other dtypes): planned steps serve the run
         logger.warning("decode run rows do not fit the graphs' step buffers (%s): its steps are planned", exc)
         return None
     return LocalRunRows(graphs, keys, packed.to(graphs.runner.device, non_blocking=True), prefix), serves
 
 
-def keys_of_steps(key_of, n: int) -> list:
-    """[key_of(j) for j < n] for keys that only grow with j, asked about 2 log2(n) times per change of key, not n
-    times (128 steps' keys cost ~0.7 ms asked one by one). Without windows a decode run's keys are such: each row's
-    key count only grows, and the split count of the longest (decode_graph_key) only grows with it."""
+def keys_of_steps(key_of, n: int, inputs: list[list[int]] = ()) -> list:
+    """[key_of(j) for j < n] for keys each part of which is a monotone function of one of ``inputs`` (each step's
+    values, n apiece), asked about 2 log2(n) times per change of key in each stretch of steps where every input
+    is monotone (no input given: every key's inputs only grow), not n times (128 steps' keys cost ~0.7 ms asked
+    one by one on an H200 host, ~4-5 ms with a window on a CPU one). Inside such a stretch each part lies between
+    its values at the stretch's ends, so a key equal at both ends is the key of every step between. A decode run's
+    keys are such (decode_graph_key): its splits grow with the longest row's key count, each window's with the
+    most keys a row sees inside it (which can grow, stay, or shrink as the window slides)."""
     if n == 0:
         return []
-    keys = [None] * n
+    keys, asked = [None] * n, {}
+
+    def ask(j: int):
+        if j not in asked:
+            asked[j] = key_of(j)
+        return asked[j]
 
     def fill(lo: int, hi: int, k_lo, k_hi) -> None:
         if k_lo == k_hi:
@@ -121,11 +137,27 @@ def keys_of_steps(key_of, n: int) -> list:
             keys[lo], keys[hi] = k_lo, k_hi
         else:
             mid = (lo + hi) // 2
-            k_mid = key_of(mid)
+            k_mid = ask(mid)
             fill(lo, mid, k_lo, k_mid)
             fill(mid, hi, k_mid, k_hi)
-    fill(0, n - 1, key_of(0), key_of(n - 1))
+    ends = _monotone_stretches(inputs, n)
+    for lo, hi in zip(ends, ends[1:]):
+        fill(lo, hi, ask(lo), ask(hi))
+    if n == 1:
+        keys[0] = ask(0)
     return keys
+
+
+def _monotone_stretches(inputs: list[list[int]], n: int) -> list[int]:
+    """The steps 0 = e_0 < e_1 < ... = n - 1 such that every input is monotone (non-decreasing or non-increasing)
+    over each [e_k, e_k+1]: an input turns at step i when its step i -> i + 1 change has the other sign than its
+    last nonzero change before."""
+    ends = {0, n - 1}
+    for values in inputs:
+        sign = np.sign(np.diff(np.asarray(values, dtype=np.int64)))
+        moves = np.flatnonzero(sign)
+        ends.update(moves[1:][sign[moves[1:]] != sign[moves[:-1]]].tolist())
+    return sorted(ends)
 
 
 class SteadyRun:
@@ -151,7 +183,7 @@ class SteadyRun:
             return None
         serves = [True] * len(steps.ranks[0].step_ids)
         for r in remote:   # each remote shard sends every row (the template's remote rows, every step)
-            serves = [s and every for s, every in zip(serves, steps.ranks[r].computes.all(dim=1).tolist())]
+            serves = [s and every for s, every in zip(serves, steps.ranks[r].computes.numpy().all(axis=1).tolist())]
         rows = {}
         for r, planned in template.local.items():
             g = graphs.get(r)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from cpattn.kvstore.fp8 import _finite_amax, _page_index, _page_store, needed_scales
@@ -47,6 +48,23 @@ def written_pages_of_steps(slots_SR: torch.Tensor, page_tokens: int) -> WrittenP
     writes = slots >= 0
     pages = torch.where(writes, torch.div(slots, page_tokens, rounding_mode="floor"), torch.zeros_like(slots))
     return WrittenPages(src, pages, writes & (slots % page_tokens == 0), writes)
+
+
+def written_pages_of_steps_host(slots_SR: np.ndarray, page_tokens: int) -> WrittenPages:
+    """written_pages_of_steps of host slots, by numpy (the same values and dtypes, as CPU tensors): a steady run's
+    rows are laid out on the client, where a torch op on a run's [S, R] rows (over its 32K-element grain at 64
+    sequences x 128 steps x 2 slot arrays) waits for torch's intra-op threads."""
+    steps, rows = slots_SR.shape
+    valid = slots_SR >= 0
+    slots_SR = slots_SR.astype(np.int64, copy=False)
+    first = valid.argmax(axis=1)                                                       # [S]: 0 when none writes
+    src = np.where(valid, np.arange(rows, dtype=np.int64)[None, :], first[:, None].astype(np.int64))
+    # the gather's values without a gather: a row that writes keeps its slot, the others take the first's
+    slots = np.where(valid, slots_SR, slots_SR[np.arange(steps), first][:, None])
+    writes = slots >= 0
+    pages = np.where(writes, slots // page_tokens, 0).astype(np.int64, copy=False)
+    fresh = writes & (slots % page_tokens == 0)
+    return WrittenPages(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (src, pages, fresh, writes)))
 
 
 def grow_scales_of_pages(kv_cache_2NBKD: torch.Tensor, scales_2NK: torch.Tensor, k_TKD: torch.Tensor,

@@ -7,6 +7,7 @@ pages, so each shard's local pages fill one at a time.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cpattn.errors import InvalidRequestError
@@ -44,6 +45,17 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor | list[int], world_size: int, rank
     span = world_size * interleave
     full_rounds, rem = lens // span, lens % span
     return full_rounds * interleave + (rem - rank * interleave).clamp(min=0, max=interleave)
+
+
+def dcp_local_seq_lens_host(seq_lens: np.ndarray, world_size: int, rank: int, interleave: int) -> np.ndarray:
+    """``dcp_local_seq_lens`` of a host array, by numpy (int64): a decode run's [S, B] lengths on the client,
+    where a torch op on a large array waits for torch's intra-op threads (cluster/steady_run.py)."""
+    _check(world_size, interleave, rank)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if (lens < 0).any():
+        raise InvalidRequestError(f"seq_lens must be >= 0, got {lens.tolist()}")
+    span = world_size * interleave
+    return (lens // span) * interleave + np.clip(lens % span - rank * interleave, 0, interleave)
 
 
 def dcp_local_seq_len(seq_len: int, world_size: int, rank: int, interleave: int) -> int:

@@ -60,8 +60,9 @@ class TritonGraphHooks:
                          in_window: dict[int, int] | None = None) -> tuple | None:
         """graph_key of a plain decode-only step of ``num_tokens`` requests whose longest sees ``max_kv_len`` keys,
         over a block table ``width`` pages wide; ``in_window``: per sliding window, the most keys a request sees
-        inside it (every window of the spec; None without one). None for a step without tokens. Without windows
-        it only grows with ``max_kv_len`` (decode_num_splits): cluster/steady_run.keys_of_steps relies on that."""
+        inside it (every window of the spec; None without one). None for a step without tokens. Each part of the
+        key is a monotone function of one input (the splits of ``max_kv_len``, each window's of its
+        ``in_window``: decode_num_splits only grows with keys): cluster/steady_run.keys_of_steps relies on that."""
         from cpattn.attention.backends.triton_decode import decode_num_splits
 
         windows = sorted({w for w in self.spec.sliding_windows if w is not None})
