@@ -1,6 +1,6 @@
 """cuda_decode_fp8.py's kernel on one GPU against the bf16 kernel and today's fp8 configuration (issue 22: fp8 decode
 at 1M keys <= 0.6x the bf16 kernel's time): B=1 over 4,096 keys (a wrong result shows without a long sum) and over
-``--keys``, and B=64 over 32K, each split factor's time (CUDA graph replay) and error against float64, NaNs counted.
+``--keys``, and B=64 over 32K, each split factor's and pipeline depth's time (CUDA graph replay) and error against float64, NaNs counted.
 Prints a table; writes JSON.
     python benchmarks/fp8_cuda_probe.py [--keys 1048576] [--json PATH]      # one H200, ~1 min
 """
@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
                                  time_graph, with_fp8)
 
-SPLIT_FACTORS = (1, 2, 4, 8)
+SPLIT_FACTORS = (1, 2, 4)
+STAGES = (2, 3, 4)
 
 
-def probe(batch: int, keys: int, factors) -> list[dict]:
+def probe(batch: int, keys: int, factors, stages) -> list[dict]:
     from cpattn.attention.backends import triton_decode as tk
     dev = DEVICE
     case = with_fp8(paged_case(batch, keys, dev))
@@ -48,18 +49,19 @@ def probe(batch: int, keys: int, factors) -> list[dict]:
         today_rel = rel(out, ref)
         rows.append(dict(batch=batch, keys=keys, cfg="bf16", ms=bf16, over_bf16=1.0))
         rows.append(dict(batch=batch, keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=today_rel))
-        for f in factors:
-            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f)
+        for f, st in [(f, st) for st in stages for f in factors]:
+            name = f"cuda x{f} stages {st}"
+            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f, cuda_stages=st)
             try:
                 out.fill_(float("nan"))
                 call(case.fp8, case.scales)
                 torch.cuda.synchronize()
                 nans, err = int(out.isnan().sum()), rel(out, ref)
                 ms = time_graph(functools.partial(call, case.fp8, case.scales))
-                rows.append(dict(batch=batch, keys=keys, cfg=f"cuda x{f}", splits=tk.launch_splits(splits * f, {}),
+                rows.append(dict(batch=batch, keys=keys, cfg=name, splits=tk.launch_splits(splits * f, {}),
                                  ms=ms, over_bf16=ms / bf16, rel=err, nans=nans))
             except Exception as exc:   # noqa: BLE001 - a diagnostic: the row says what failed
-                rows.append(dict(batch=batch, keys=keys, cfg=f"cuda x{f}", error=f"{type(exc).__name__}: {exc}"[:600]))
+                rows.append(dict(batch=batch, keys=keys, cfg=name, error=f"{type(exc).__name__}: {exc}"[:600]))
     finally:
         tk.CONFIG_OVERRIDES.clear()
         tk.CONFIG_OVERRIDES.update(saved)
@@ -71,6 +73,7 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=1 << 20)
     parser.add_argument("--json", default="fp8_cuda_probe.json")
     parser.add_argument("--factors", default=",".join(map(str, SPLIT_FACTORS)))
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)))
     args = parser.parse_args()
     if DEVICE.type != "cuda":
         print("fp8_cuda_probe needs a CUDA device", file=sys.stderr)
@@ -78,7 +81,7 @@ def main() -> int:
     factors = [float(f) if "." in f else int(f) for f in args.factors.split(",")]
     rows = []
     for batch, keys in ((1, 4096), (1, args.keys), (64, 32768)):
-        got = probe(batch, keys, factors)
+        got = probe(batch, keys, factors, [int(x) for x in args.stages.split(",")])
         rows += got
         print(f"B={batch} keys={keys}")
         for r in got:

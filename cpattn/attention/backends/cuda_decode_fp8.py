@@ -38,6 +38,7 @@ import torch
 SOURCE = Path(__file__).with_name("cuda") / "fp8_decode.cu"
 KERNEL = "cpattn_fp8_decode"
 THREADS = 128            # NW = 4 warps in the source
+STAGE_BYTES = 16 * 512 + 32   # one tile's K and V chunks and scales in a warp's ring (the source's STAGE_BYTES)
 E4M3 = torch.float8_e4m3fn
 _Q_KIND = {torch.bfloat16: 1, torch.float16: 2}
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -78,13 +79,15 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     if k_cache.shape[1] & (k_cache.shape[1] - 1):
         raise ValueError(f"pages of {k_cache.shape[1]} tokens: not a power of two")
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
-    kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64,
+    stages = int(common.get("cuda_stages", 3))
+    kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
                      _arch(q.device))
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
         o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
     kernel(grid=(grid_tokens, k_cache.shape[2], splits), block=(THREADS, 1, 1),
+           shared_mem=shared_bytes(common["G"], stages),
            args=[q, k_cache, v_cache, table, tok, req, lens, ks, vs, out, lse, stride_qt, stride_qh, skb, sks, skh,
                  svb, svs, svh, stride_btb, stride_sp, scale_div, k_cache.shape[1].bit_length() - 1, *o_strides,
                  *l_strides, int(direct), float(logit_args[0])])
@@ -97,15 +100,23 @@ def _arch(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, arch: str):
-    """The kernel for G heads per kv head, the query and output dtypes, the block table's and the device's
-    architecture (compiled once per process: ~1 s)."""
+def shared_bytes(g: int, stages: int) -> int:
+    """The kernel's dynamic shared memory: each warp's ring of ``stages`` tiles, reused by the warps' merge."""
+    return max(THREADS // 32 * stages * STAGE_BYTES, THREADS // 32 * g * (128 + 2) * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, arch: str):
+    """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
+    per warp and the device's architecture (compiled once per process: ~1 s)."""
     from torch.cuda import _utils as cuda_utils
 
     options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}"] + (["-DBT64"] if table64 else [])
+               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}"] + (["-DBT64"] if table64 else [])
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
-    return cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
+    kernel = cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
+    kernel.set_shared_memory_config(shared_bytes(g, stages))   # over 48 KB: asked for once
+    return kernel
 
 
 def nvrtc_compile(lib: ctypes.CDLL, source: str, options: list[str]) -> bytes:

@@ -152,10 +152,10 @@ def _num_sms(device: torch.device) -> int:
 # when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel; fp8_mma: an e4m3 cache's
 # plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
 # precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
-# cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both).
+# cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per warp).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
-                     fp8_mma=False, fp8_cuda=False)
+                     fp8_mma=False, fp8_cuda=False, cuda_stages=3)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -246,7 +246,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), stride_sp, scale_div)
     if splits == 1 and into_rows is None:
         if cuda:
-            launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
+            launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, cfg | common)
             return
         if mma:
             launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, out_TQD, lse_TQ, True, common)
@@ -262,7 +262,7 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = torch.empty(splits, rows_out, hq, d, dtype=torch.float32, device=q_TQD.device)
     part_lse = torch.empty(splits, rows_out, hq, dtype=torch.float32, device=q_TQD.device)
     if cuda:
-        launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
+        launch_fp8_cuda(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, cfg | common)
     elif mma:
         launch_fp8_mma(splits, num_tok, args_head, strides_in, logit_args, part_out, part_lse, False, common)
     elif heads:

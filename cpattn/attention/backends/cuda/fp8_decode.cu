@@ -24,6 +24,10 @@ typedef int bt_t;
 typedef long long bt_t;
 #endif
 #define NW 4
+#ifndef STAGES
+#define STAGES 3          // tiles in flight per warp (cp.async groups)
+#endif
+#define STAGE_BYTES (16 * 512 + 32)
 #define TILE 32
 #define D 128
 #define ROWS ((G) > 8 ? 2 : 1)
@@ -87,12 +91,6 @@ __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32x4 load16(const u8* p, bool ok) {
-  u32x4 r = {0u, 0u, 0u, 0u};
-  if (ok) r = *reinterpret_cast<const u32x4*>(p);
-  return r;
-}
-
 // The page slot of key tile + 8 nt (tiles start on 8 keys, pages hold a multiple of 8)
 __device__ __forceinline__ int key0_slot(int tile, int nt, int ps_mask) { return (tile + nt * 8) & ps_mask; }
 
@@ -132,6 +130,58 @@ __device__ __forceinline__ void quantize_q(const u16* q_row, int head, int t, u3
   *qs_out = qs;
 }
 
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void copy16(u8* dst, const u8* src, bool ok) {   // zeros where not ok
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy4(u8* dst, const float* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 4 : 0));
+}
+
+// The page of each run of 8 keys of the tile at ``tile`` (0 past the split's end: never read)
+__device__ __forceinline__ void load_pages(const bt_t* bt, int tile, int end, int log2_ps, int* pages) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    int key0 = tile + nt * 8;
+    pages[nt] = key0 < end ? (int)bt[key0 >> log2_ps] : 0;
+  }
+}
+
+// One tile's copies into a stage: chunks 0-7 this lane's K (key tile + 8 nt + g, bytes 16 t .. and 64 + 16 t ..),
+// chunks 8-15 its V (keys 16 j + 8 h + 2 t + e, bytes 16 g ..), each chunk 32 lanes x 16 bytes; then the 4 K and 4
+// V scales of the tile's runs (lanes 0-7). A commit group per tile, empty past the end.
+__device__ __forceinline__ void issue_tile(u8* st, const u8* k_cache, const u8* v_cache, const float* k_scales,
+                                           const float* v_scales, const int* pages, int tile, int end, int kh, int g,
+                                           int t, int lane, int ps_mask, int stride_kb, int stride_ks, int stride_kh,
+                                           int stride_vb, int stride_vs, int stride_vh, int stride_sp, int scale_div) {
+  if (tile < end) {
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int key = tile + nt * 8 + g;
+      const u8* p = k_cache + (long long)pages[nt] * stride_kb + (long long)(key0_slot(tile, nt, ps_mask) + g) * stride_ks
+                    + (long long)kh * stride_kh;
+      copy16(st + (2 * nt) * 512 + lane * 16, p + 16 * t, key < end);
+      copy16(st + (2 * nt + 1) * 512 + lane * 16, p + 64 + 16 * t, key < end);
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      int j = c / 4, h = (c / 2) % 2, e = c % 2, nt = 2 * j + h, key = tile + 8 * nt + 2 * t + e;
+      const u8* p = v_cache + (long long)pages[nt] * stride_vb
+                    + (long long)(key0_slot(tile, nt, ps_mask) + 2 * t + e) * stride_vs + (long long)kh * stride_vh;
+      copy16(st + (8 + c) * 512 + lane * 16, p + 16 * g, key < end);
+    }
+    if (lane < 8) {
+      int nt = lane % 4;
+      long long sp = (long long)(pages[nt] / scale_div) * stride_sp + kh;
+      copy4(st + 16 * 512 + 4 * lane, (lane < 4 ? k_scales : v_scales) + sp, tile + nt * 8 < end);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
 extern "C" __global__ void __launch_bounds__(NW * 32, 2)
 cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
                   const bt_t* __restrict__ block_table, const int* __restrict__ tok_idx, const int* __restrict__ req_idx,
@@ -141,9 +191,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
                   int stride_vs, int stride_vh, int stride_btb, int stride_sp, int scale_div, int log2_ps,
                   int stride_os, int stride_ot, int stride_oh, int stride_ls, int stride_lt, int direct,
                   double scale_log2_d) {
-  __shared__ float sm_o[NW][G][D];
-  __shared__ float sm_m[NW][G];
-  __shared__ float sm_l[NW][G];
+  extern __shared__ __align__(16) u8 smem[];   // NW rings of STAGES x STAGE_BYTES, then the merge's rows
   const int i = blockIdx.x, kh = blockIdx.y, s = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float scale_log2 = (float)scale_log2_d;
@@ -172,39 +220,46 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
   for (int r = 0; r < ROWS; ++r) { m_run[r] = NEG_INF; l_run[r] = 0.0f; }
   float v_ref = 0.0f;   // the largest V scale of the pages seen (warp-uniform)
 
-  for (int tile = start + warp * TILE; tile < end; tile += NW * TILE) {
-    // The tile's four runs of 8 keys (each within one page: PS >= 8, tiles start on 8 keys)
-    int page[4];
+  // The key loop, STAGES tiles deep: each lane copies its own K and V chunks (16 x 16 bytes a tile) and lanes 0-7
+  // the tile's 8 scales into the warp's ring in shared memory by cp.async (no registers held while in flight), and
+  // reads back only what it copied (plus the scales, after __syncwarp). A tile's page ids are loaded one tile earlier
+  // so its copies issue without waiting on the block table.
+  u8* ring = smem + warp * (STAGES * STAGE_BYTES);
+  const int step = NW * TILE;
+  int tile_issue = start + warp * TILE;
+  int pages_next[4];
+  load_pages(bt, tile_issue, end, log2_ps, pages_next);
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) {
+    issue_tile(ring + k * STAGE_BYTES, k_cache, v_cache, k_scales, v_scales, pages_next, tile_issue, end, kh, g, t,
+               lane, ps_mask, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sp, scale_div);
+    tile_issue += step;
+    load_pages(bt, tile_issue, end, log2_ps, pages_next);
+  }
+  int stage = 0;
+  for (int tile = start + warp * TILE; tile < end; tile += step) {
+    __syncwarp();   // every lane read the stage about to be refilled (its scales)
+    issue_tile(ring + ((stage + STAGES - 1) % STAGES) * STAGE_BYTES, k_cache, v_cache, k_scales, v_scales,
+               pages_next, tile_issue, end, kh, g, t, lane, ps_mask, stride_kb, stride_ks, stride_kh, stride_vb,
+               stride_vs, stride_vh, stride_sp, scale_div);
+    tile_issue += step;
+    load_pages(bt, tile_issue, end, log2_ps, pages_next);
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
+    __syncwarp();
+    const u8* here = ring + stage * STAGE_BYTES;
+    stage = (stage + 1) % STAGES;
+    u32x4 kr[4][2], vr[2][2][2];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) kr[c / 2][c % 2] = *reinterpret_cast<const u32x4*>(here + c * 512 + lane * 16);
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      vr[c / 4][(c / 2) % 2][c % 2] = *reinterpret_cast<const u32x4*>(here + (8 + c) * 512 + lane * 16);
     float ks[4], vs[4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      int key0 = tile + nt * 8;
-      page[nt] = key0 < end ? (int)bt[key0 >> log2_ps] : 0;
-      long long sp = (long long)(page[nt] / scale_div) * stride_sp + kh;
-      ks[nt] = key0 < end ? k_scales[sp] : 0.0f;
-      vs[nt] = key0 < end ? v_scales[sp] : 0.0f;
+      ks[nt] = reinterpret_cast<const float*>(here + 16 * 512)[nt];
+      vs[nt] = reinterpret_cast<const float*>(here + 16 * 512)[4 + nt];
     }
-    // K: key tile + 8 nt + g, bytes 16 t .. and 64 + 16 t ..; V: keys 16 j + 8 h + 2 t + e, bytes 16 g ..
-    u32x4 kr[4][2], vr[2][2][2];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      int key = tile + nt * 8 + g;
-      const u8* p = k_cache + (long long)page[nt] * stride_kb + (long long)(key0_slot(tile, nt, ps_mask) + g) * stride_ks
-                    + (long long)kh * stride_kh;
-      kr[nt][0] = load16(p + 16 * t, key < end);
-      kr[nt][1] = load16(p + 64 + 16 * t, key < end);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          int nt = 2 * j + h, key = tile + 8 * nt + 2 * t + e;
-          const u8* p = v_cache + (long long)page[nt] * stride_vb
-                        + (long long)(key0_slot(tile, nt, ps_mask) + 2 * t + e) * stride_vs + (long long)kh * stride_vh;
-          vr[j][h][e] = load16(p + 16 * g, key < end);
-        }
     // S = q.K (log2 units)
     float sc[4][4];
 #pragma unroll
@@ -289,7 +344,13 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     }
   }
 
-  // The warp's rows: l summed over the quad; unnormalised outputs (V scales applied) to shared memory
+  // The warp's rows: l summed over the quad; unnormalised outputs (V scales applied) to shared memory (the rings'
+  // bytes: every copy landed, every warp is past its loop)
+  asm volatile("cp.async.wait_group 0;");
+  __syncthreads();
+  float (*sm_o)[G][D] = reinterpret_cast<float (*)[G][D]>(smem);
+  float (*sm_m)[G] = reinterpret_cast<float (*)[G]>(smem + NW * G * D * 4);
+  float (*sm_l)[G] = reinterpret_cast<float (*)[G]>(smem + NW * G * D * 4 + NW * G * 4);
   float o_fac = v_ref / PSCALE;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
