@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
                                  time_graph, with_fp8)
 
-SPLIT_FACTORS = (1, 2, 4)
-STAGES = (2, 3, 4)
+SPLIT_FACTORS = (1, 2)
+STAGES = (2, 3)
 
 
 def probe(batch: int, keys: int, factors, stages) -> list[dict]:
@@ -49,9 +49,10 @@ def probe(batch: int, keys: int, factors, stages) -> list[dict]:
         today_rel = rel(out, ref)
         rows.append(dict(batch=batch, keys=keys, cfg="bf16", ms=bf16, over_bf16=1.0))
         rows.append(dict(batch=batch, keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=today_rel))
-        for f, st in [(f, st) for st in stages for f in factors]:
-            name = f"cuda x{f} stages {st}"
-            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f, cuda_stages=st)
+        for f, st, pv_t in [(f, st, pv_t) for pv_t in (True, False) for st in stages for f in factors]:
+            name = f"cuda x{f} stages {st}" + (" O^T" if pv_t else " O")
+            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f, cuda_stages=st,
+                                              cuda_pv_t=pv_t)
             try:
                 out.fill_(float("nan"))
                 call(case.fp8, case.scales)

@@ -79,9 +79,9 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     if k_cache.shape[1] & (k_cache.shape[1] - 1):
         raise ValueError(f"pages of {k_cache.shape[1]} tokens: not a power of two")
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
-    stages = int(common.get("cuda_stages", 3))
+    stages = int(common.get("cuda_stages", 2))
     kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
-                     _arch(q.device))
+                     bool(common.get("cuda_pv_t", True)), _arch(q.device))
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
@@ -106,13 +106,13 @@ def shared_bytes(g: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, arch: str):
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, pv_t: bool, arch: str):
     """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
-    per warp and the device's architecture (compiled once per process: ~1 s)."""
+    per warp, P.V's orientation and the device's architecture (compiled once per process: ~1 s)."""
     from torch.cuda import _utils as cuda_utils
 
     options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}"] + (["-DBT64"] if table64 else [])
+               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-DPV_T={int(pv_t)}"] + (["-DBT64"] if table64 else [])
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
     kernel = cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
     kernel.set_shared_memory_config(shared_bytes(g, stages))   # over 48 KB: asked for once

@@ -28,6 +28,9 @@ typedef long long bt_t;
 #define STAGES 3          // tiles in flight per warp (cp.async groups)
 #endif
 #define STAGE_BYTES (16 * 512 + 32)
+#ifndef PV_T
+#define PV_T 1            // P.V as O^T = V^T P^T (dims on the mma's rows); 0: O = P V (heads on its rows)
+#endif
 #define TILE 32
 #define D 128
 #define ROWS ((G) > 8 ? 2 : 1)
@@ -212,9 +215,17 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     int head = g + 8 * r;
     quantize_q(q_base + (long long)(head < G ? head : 0) * stride_qh, head, t, qa_hi[r], qa_lo[r], &qs[r]);
   }
+#if PV_T   // O^T [dims, heads]: 8 m-tiles of 16 dims per head n-tile of 8 heads (no padded rows: half the mma)
+  float acc[ROWS][8][4];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc[r][n][0] = acc[r][n][1] = acc[r][n][2] = acc[r][n][3] = 0.0f;
+#else      // O [heads, dims]: 16 n-tiles of 8 dims, rows g + 8 padding when G <= 8
   float acc[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#endif
   float m_run[ROWS], l_run[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) { m_run[r] = NEG_INF; l_run[r] = 0.0f; }
@@ -318,6 +329,37 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
         }
     }
     v_ref = v_new;
+#if PV_T
+    // O^T += V^T P^T: k-step j holds keys 16 j .. 16 j + 15; m-tile mt's rows g, g + 8 are thread g's dims 16 g + 2 mt
+    // and + 1 (bytes 2 mt, 2 mt + 1 of its load); P^T's B operand is the q.K accumulators' P as they lie; the
+    // columns are heads 8 r + 2 t, + 1, whose alphas come from those heads' quads
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      float a_even = __shfl_sync(0xffffffffu, alpha[r], 8 * t) * v_fac;
+      float a_odd = __shfl_sync(0xffffffffu, alpha[r], 8 * t + 4) * v_fac;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        acc[r][n][0] *= a_even; acc[r][n][1] *= a_odd; acc[r][n][2] *= a_even; acc[r][n][3] *= a_odd;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        u32 lo0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x5140);
+        u32 hi0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x7362);
+        u32 lo1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x5140);
+        u32 hi1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x7362);
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) {
+          u32 x0 = odd ? hi0 : lo0, x1 = odd ? hi1 : lo1;
+          u32 a0 = f16x2_of_e4m3x2((u16)(x0 & 0xffffu)), a1 = f16x2_of_e4m3x2((u16)(x0 >> 16));
+          u32 a2 = f16x2_of_e4m3x2((u16)(x1 & 0xffffu)), a3 = f16x2_of_e4m3x2((u16)(x1 >> 16));
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) mma_f16(acc[r][2 * m + odd], a0, a1, a2, a3, pa[j][r][0], pa[j][r][1]);
+        }
+      }
+#else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
       acc[n][0] *= alpha[0] * v_fac; acc[n][1] *= alpha[0] * v_fac;
@@ -342,6 +384,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
         for (int b = 0; b < 4; ++b) mma_f16(acc[4 * m + b], pa[j][0][0], a1, pa[j][0][1], a3, b0[b], b1[b]);
       }
     }
+#endif
   }
 
   // The warp's rows: l summed over the quad; unnormalised outputs (V scales applied) to shared memory (the rings'
@@ -357,11 +400,22 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     int head = g + 8 * r;
+#if PV_T
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        int col = 8 * r + 2 * t + (c & 1);
+        if (col < G) sm_o[warp][col][16 * g + 2 * n + (c >> 1)] = acc[r][n][c] * o_fac;
+      }
+#endif
     if (head < G) {
+#if !PV_T
 #pragma unroll
       for (int n = 0; n < 16; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) sm_o[warp][head][16 * (2 * t + e) + n] = acc[n][2 * r + e] * o_fac;
+#endif
       if (t == 0) { sm_m[warp][head] = m_run[r]; sm_l[warp][head] = l_run[r]; }
     }
   }
