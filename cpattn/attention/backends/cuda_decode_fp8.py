@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -68,7 +69,23 @@ def fp8_cuda_unserved(cfg: dict, q: torch.Tensor, k_cache: torch.Tensor, kv_scal
         why.append("indices not int32 (the block table int32 or int64)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) < (8, 9):
         why.append("not a CUDA device of compute capability >= 8.9 (e4m3 mma)")
+    elif not why and nvrtc_missing():
+        why.append(nvrtc_missing())
     return why
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_missing() -> str:
+    """Why NVRTC cannot be loaded ('' when it can): without it the Triton kernels serve (said once, in the log)."""
+    try:
+        from torch.cuda import _utils as cuda_utils
+
+        cuda_utils._get_gpu_rtc_library()
+        return ""
+    except (ImportError, AttributeError, OSError) as exc:
+        why = f"NVRTC not loadable ({type(exc).__name__}: {exc}): the fp8 decode takes the Triton kernels"
+        logging.getLogger("cpattn").warning("%s", why)
+        return why
 
 
 def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in: tuple, logit_args: list,

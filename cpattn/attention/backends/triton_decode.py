@@ -152,8 +152,8 @@ def _num_sms(device: torch.device) -> int:
 # when num_warps = H, S times H splits) for plain decodes; 0 this module's one-head kernel; fp8_mma: an e4m3 cache's
 # plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
 # precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
-# cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per warp; cuda_pv_t: P.V
-# as O^T = V^T P^T).
+# cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per
+# warp; cuda_pv_t: P.V as O^T = V^T P^T).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
                      fp8_mma=False, fp8_cuda=False, cuda_stages=2, cuda_pv_t=True)
@@ -164,8 +164,11 @@ DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=
 # triton_query_groups.py).
 # Adopted 2026-12-01 on nvidia-h200 (torch 2.11, triton 3.6): fp8 e4m3 at 1M keys 0.856 ms vs bf16 1.020 (0.84x; the
 # one-head kernel's 1.130), B=64 32K 0.78x; a prefix pass's query groups 0.298 ms, 1.10x one decode over its pages.
+# 2026-12-02 (same machine): fp8_cuda, an e4m3 cache's plain decodes on cuda_decode_fp8.py's kernel (the heads kernel
+# still serves e5m2, windows and soft caps): 1M keys 0.782 ms vs bf16 1.005 (0.78x; the heads kernel 0.856), B=64 32K
+# 1.503 vs 2.009 (0.75x).
 CONFIG_OVERRIDES = {
-    "fp8": {"block_n": 64, "num_stages": 1, "fp8_f16_dot": True, "heads_per_program": 4},
+    "fp8": {"block_n": 64, "num_stages": 1, "fp8_f16_dot": True, "heads_per_program": 4, "fp8_cuda": True},
     "query_groups": {"block_n": 64, "num_stages": 1, "page_tiles": True, "prefetch": True},
 }
 
