@@ -41,7 +41,8 @@ def test_source_compiles_for_sm90(g, q_kind, out_kind):
     if lib is None:
         pytest.skip("no NVRTC library here (set CPATTN_NVRTC)")
     cubin = cd.nvrtc_compile(lib, cd.SOURCE.read_text(), ["--gpu-architecture=sm_90", "--use_fast_math", f"-DG={g}",
-                                                           f"-DQ_KIND={q_kind}", f"-DOUT_KIND={out_kind}"])
+                                                           f"-DQ_KIND={q_kind}", f"-DOUT_KIND={out_kind}",
+                                                           f"-I{cd.SOURCE.parent}"])
     assert cubin[:4] == b"\x7fELF" and cd.KERNEL.encode() in cubin
 
 

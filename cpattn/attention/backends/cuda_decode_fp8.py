@@ -13,14 +13,24 @@ operand registers, with no shared memory and no barrier in the key loop:
 - q.K as m16n8k32 e4m3 mma: K as stored is the B operand (each key's 128 bytes are its k axis; the k axis is permuted
   the same way for q, which leaves the sum unchanged), q the A operand (G rows of 16) in two e4m3 parts, hi + lo of
   q / qs (qs = the row's largest |q| / 256), so bf16 queries lose nothing: no conversion of K at all.
-- P.V as m16n8k16 f16 mma: P comes from the q.K accumulators of the same thread (FA2's layout, keys permuted to fit),
-  V is converted e4m3 -> f16 by one cvt per two values after one byte permute per two values (V's rows are the
+- P.V as m16n8k16 f16 mma, O^T = V^T P^T: P^T comes from the q.K accumulators of the same thread (keys permuted to
+  fit), V is converted e4m3 -> f16 by one cvt per two values after one byte permute per two values (V's rows are the
   contraction axis, which an fp8 B operand cannot take without a transpose).
 - fp8 scales (per page and kv head, powers of two): the logits times each page's K scale; P times each page's V scale
   over the largest seen so far (a running maximum, like the softmax's: the accumulator is rescaled when it grows)
   times 2^15 in f16, so probabilities down to 2^-39 of the row's largest keep their value.
 - A block of 4 warps per (token, kv head, split) takes 32-key tiles in turn; the warps merge in shared memory at the
   end; the splits merge as the Triton kernels' do (merge_attn_states_triton), or the block writes the rows directly.
+  240 registers a thread: 2 blocks (8 warps) per SM.
+
+Measured (2026-12-02, nvidia-h200, benchmarks/fp8_cuda_probe.py, CUDA graph replay): 1M keys B=1 0.782 ms against
+bf16's 1.005 (0.78x; the Triton heads kernel 0.856), B=64 x 32K 0.75x, rel 4.2e-2 vs float64 (the cache's own error);
+adopted in triton_decode.CONFIG_OVERRIDES["fp8"]. Issue 22's 0.6x is still missed: 2.75 TB/s against bf16's 4.2, and
+neither halving the P.V mma (O^T, below), nor more tiles in flight, nor more splits moved it (benchmarks/RESULTS.md).
+- P.V's orientation: O^T = V^T P^T puts dims on the mma's rows (no padded rows) and takes P as the B operand
+  straight from the q.K accumulators; O = P V (heads on the rows, 12 of 16 padded at G = 4, 0.787 ms) is in git.
+- Stages (cuda_stages, 2 adopted): each lane copies its own K and V chunks by cp.async into its warp's ring in shared
+  memory, that many tiles deep, and reads back only what it copied; the page ids are loaded one tile earlier.
 
 Served (else the Triton kernels serve): e4m3 caches with per-page scales, plain decodes (one query per program, no
 window, no soft cap), D = 128, G <= 16, PS a power of two >= 8, bf16 / f16 queries, int32 indices, compute
@@ -98,7 +108,7 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
     stages = int(common.get("cuda_stages", 2))
     kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
-                     bool(common.get("cuda_pv_t", True)), _arch(q.device))
+                     _arch(q.device))
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
@@ -123,13 +133,13 @@ def shared_bytes(g: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, pv_t: bool, arch: str):
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, arch: str):
     """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
-    per warp, P.V's orientation and the device's architecture (compiled once per process: ~1 s)."""
+    per warp and the device's architecture (compiled once per process: ~1 s)."""
     from torch.cuda import _utils as cuda_utils
 
     options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-DPV_T={int(pv_t)}"] + (["-DBT64"] if table64 else [])
+               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-I{SOURCE.parent}"] + (["-DBT64"] if table64 else [])
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
     kernel = cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
     kernel.set_shared_memory_config(shared_bytes(g, stages))   # over 48 KB: asked for once

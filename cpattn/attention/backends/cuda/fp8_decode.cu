@@ -1,36 +1,26 @@
 // cpattn's fp8 e4m3 paged decode on tensor cores (issue 22); the design and its numbers: cuda_decode_fp8.py.
 // Compiled at run time by NVRTC with -DG=<q heads per kv head> -DQ_KIND=<1 bf16, 2 f16> -DOUT_KIND=<0 float32 split
-// partials, 1 bf16, 2 f16 rows>. No headers: the types and conversions below are PTX.
+// partials, 1 bf16, 2 f16 rows> [-DBT64: an int64 block table] [-DSTAGES=<tiles in flight per warp>] and this
+// directory on the include path (fp8_ops.cuh: no CUDA headers, the conversions are PTX); dynamic shared memory:
+// cuda_decode_fp8.shared_bytes.
 //
 // One block (NW warps) per (decode token, kv head, split); each warp takes 32-key tiles of the split in turn.
 // Per tile, thread (g = lane / 4, t = lane % 4) of a warp:
 //   q.K  mma m16n8k32 e4m3: A = q's G heads (rows; hi + lo e4m3 parts of q / qs), B = K as stored (for each key its
 //        128 bytes are the k axis): no conversion of K. Four n-tiles of 8 keys; the k axis is permuted (thread t's
 //        two 16-byte loads of a key are its columns), the same for q, so the sum is the same.
-//   P.V  mma m16n8k16 f16: A = P from the q.K accumulators (the same thread holds them: FA2's layout), B = V,
-//        converted e4m3 -> f16 by one cvt per two values after one byte permute per two; sixteen n-tiles of 8 dims,
-//        thread g's dims 16 g .. 16 g + 15 (one 16-byte load per key).
+//   P.V  mma m16n8k16 f16 as O^T = V^T P^T: A = V^T (dims on the rows, so none padded), converted e4m3 -> f16 by
+//        one cvt per two values after one byte permute per two (thread g's dims 16 g .. 16 g + 15: one 16-byte load
+//        per key), B = P^T from the q.K accumulators as the same thread holds them.
 // fp8 scales: q.K by each page's K scale; P by each page's V scale over the warp's largest so far (powers of two,
 // exact) times 2^15 (f16 keeps probabilities down to 2^-39 of the row's largest), the accumulator rescaled when the
 // largest grows, as the running maximum of the softmax is.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#ifndef BT64       // the block table's entries: int32, or int64 with -DBT64
-typedef int bt_t;
-#else
-typedef long long bt_t;
-#endif
 #define NW 4
 #ifndef STAGES
 #define STAGES 3          // tiles in flight per warp (cp.async groups)
 #endif
 #define STAGE_BYTES (16 * 512 + 32)
-#ifndef PV_T
-#define PV_T 1            // P.V as O^T = V^T P^T (dims on the mma's rows); 0: O = P V (heads on its rows)
-#endif
 #define TILE 32
 #define D 128
 #define ROWS ((G) > 8 ? 2 : 1)
@@ -38,156 +28,12 @@ typedef long long bt_t;
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000)
 
-struct __align__(16) u32x4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ float q_to_float(u16 h) {
-#if Q_KIND == 1
-  return __uint_as_float(((u32)h) << 16);
-#else
-  float f;
-  asm("{ .reg .b16 r; mov.b16 r, %1; cvt.f32.f16 %0, r; }" : "=f"(f) : "h"(h));
-  return f;
-#endif
-}
-
-__device__ __forceinline__ u16 e4m3x2_of(float hi, float lo) {   // lo in the low byte
-  u16 r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ u32 f16x2_of_e4m3x2(u16 x) {   // the low byte to the low half
-  u32 r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
-  return r;
-}
-
-__device__ __forceinline__ u32 f16x2_of(float hi, float lo) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ float f16_lo(u32 x) {
-  float f;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a; }" : "=f"(f) : "r"(x));
-  return f;
-}
-
-__device__ __forceinline__ float f16_hi(u32 x) {
-  float f;
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b; }" : "=f"(f) : "r"(x));
-  return f;
-}
-
-__device__ __forceinline__ void mma_e4m3(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The page slot of key tile + 8 nt (tiles start on 8 keys, pages hold a multiple of 8)
-__device__ __forceinline__ int key0_slot(int tile, int nt, int ps_mask) { return (tile + nt * 8) & ps_mask; }
-
-__device__ __forceinline__ u32 word(const u32x4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// Thread t's q columns: register j < 4 holds dims 16 t + 4 j .. + 3, j >= 4 dims 64 + 16 t + 4 (j - 4) .. + 3 (its two
-// 16-byte loads of each key); k-step kk of the q.K mma takes registers 2 kk (columns 4 t ..) and 2 kk + 1 (16 + 4 t ..).
-__device__ __forceinline__ int q_dim(int t, int j) { return (j < 4 ? 16 * t + 4 * j : 64 + 16 * t + 4 * (j - 4)); }
-
-// q [G heads] of this kv head as e4m3 hi + lo of q / qs (qs: the head's largest |q| over 256), per row, per register.
-__device__ __forceinline__ void quantize_q(const u16* q_row, int head, int t, u32* hi, u32* lo, float* qs_out) {
-  float x[32];
-  float amax = 0.0f;
-  bool real = head < G;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[4 * j + i] = real ? q_to_float(q_row[q_dim(t, j) + i]) : 0.0f;
-      amax = fmaxf(amax, fabsf(x[4 * j + i]));
-    }
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  float qs = amax > 0.0f ? amax * (1.0f / 256.0f) : 1.0f;
-  float inv = 1.0f / qs;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float v[4], r[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = x[4 * j + i] * inv;
-    u32 h = (u32)e4m3x2_of(v[1], v[0]) | ((u32)e4m3x2_of(v[3], v[2]) << 16);
-    u32 h01 = f16x2_of_e4m3x2((u16)(h & 0xffffu)), h23 = f16x2_of_e4m3x2((u16)(h >> 16));
-    r[0] = v[0] - f16_lo(h01); r[1] = v[1] - f16_hi(h01); r[2] = v[2] - f16_lo(h23); r[3] = v[3] - f16_hi(h23);
-    hi[j] = h;
-    lo[j] = (u32)e4m3x2_of(r[1], r[0]) | ((u32)e4m3x2_of(r[3], r[2]) << 16);
-  }
-  *qs_out = qs;
-}
-
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void copy16(u8* dst, const u8* src, bool ok) {   // zeros where not ok
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
-}
-
-__device__ __forceinline__ void copy4(u8* dst, const float* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 4 : 0));
-}
-
-// The page of each run of 8 keys of the tile at ``tile`` (0 past the split's end: never read)
-__device__ __forceinline__ void load_pages(const bt_t* bt, int tile, int end, int log2_ps, int* pages) {
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    int key0 = tile + nt * 8;
-    pages[nt] = key0 < end ? (int)bt[key0 >> log2_ps] : 0;
-  }
-}
-
-// One tile's copies into a stage: chunks 0-7 this lane's K (key tile + 8 nt + g, bytes 16 t .. and 64 + 16 t ..),
-// chunks 8-15 its V (keys 16 j + 8 h + 2 t + e, bytes 16 g ..), each chunk 32 lanes x 16 bytes; then the 4 K and 4
-// V scales of the tile's runs (lanes 0-7). A commit group per tile, empty past the end.
-__device__ __forceinline__ void issue_tile(u8* st, const u8* k_cache, const u8* v_cache, const float* k_scales,
-                                           const float* v_scales, const int* pages, int tile, int end, int kh, int g,
-                                           int t, int lane, int ps_mask, int stride_kb, int stride_ks, int stride_kh,
-                                           int stride_vb, int stride_vs, int stride_vh, int stride_sp, int scale_div) {
-  if (tile < end) {
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      int key = tile + nt * 8 + g;
-      const u8* p = k_cache + (long long)pages[nt] * stride_kb + (long long)(key0_slot(tile, nt, ps_mask) + g) * stride_ks
-                    + (long long)kh * stride_kh;
-      copy16(st + (2 * nt) * 512 + lane * 16, p + 16 * t, key < end);
-      copy16(st + (2 * nt + 1) * 512 + lane * 16, p + 64 + 16 * t, key < end);
-    }
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      int j = c / 4, h = (c / 2) % 2, e = c % 2, nt = 2 * j + h, key = tile + 8 * nt + 2 * t + e;
-      const u8* p = v_cache + (long long)pages[nt] * stride_vb
-                    + (long long)(key0_slot(tile, nt, ps_mask) + 2 * t + e) * stride_vs + (long long)kh * stride_vh;
-      copy16(st + (8 + c) * 512 + lane * 16, p + 16 * g, key < end);
-    }
-    if (lane < 8) {
-      int nt = lane % 4;
-      long long sp = (long long)(pages[nt] / scale_div) * stride_sp + kh;
-      copy4(st + 16 * 512 + 4 * lane, (lane < 4 ? k_scales : v_scales) + sp, tile + nt * 8 < end);
-    }
-  }
-  asm volatile("cp.async.commit_group;");
-}
+#include "fp8_ops.cuh"
 
 extern "C" __global__ void __launch_bounds__(NW * 32, 2)
 cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
-                  const bt_t* __restrict__ block_table, const int* __restrict__ tok_idx, const int* __restrict__ req_idx,
+                  const bt_t* __restrict__ block_table, const int* __restrict__ tok_idx,
+                  const int* __restrict__ req_idx,
                   const int* __restrict__ kv_lens, const float* __restrict__ k_scales,
                   const float* __restrict__ v_scales, void* __restrict__ out, float* __restrict__ lse,
                   int stride_qt, int stride_qh, int stride_kb, int stride_ks, int stride_kh, int stride_vb,
@@ -215,17 +61,11 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     int head = g + 8 * r;
     quantize_q(q_base + (long long)(head < G ? head : 0) * stride_qh, head, t, qa_hi[r], qa_lo[r], &qs[r]);
   }
-#if PV_T   // O^T [dims, heads]: 8 m-tiles of 16 dims per head n-tile of 8 heads (no padded rows: half the mma)
   float acc[ROWS][8][4];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int n = 0; n < 8; ++n) acc[r][n][0] = acc[r][n][1] = acc[r][n][2] = acc[r][n][3] = 0.0f;
-#else      // O [heads, dims]: 16 n-tiles of 8 dims, rows g + 8 padding when G <= 8
-  float acc[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-#endif
   float m_run[ROWS], l_run[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) { m_run[r] = NEG_INF; l_run[r] = 0.0f; }
@@ -329,7 +169,6 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
         }
     }
     v_ref = v_new;
-#if PV_T
     // O^T += V^T P^T: k-step j holds keys 16 j .. 16 j + 15; m-tile mt's rows g, g + 8 are thread g's dims 16 g + 2 mt
     // and + 1 (bytes 2 mt, 2 mt + 1 of its load); P^T's B operand is the q.K accumulators' P as they lie; the
     // columns are heads 8 r + 2 t, + 1, whose alphas come from those heads' quads
@@ -359,32 +198,6 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
           for (int r = 0; r < ROWS; ++r) mma_f16(acc[r][2 * m + odd], a0, a1, a2, a3, pa[j][r][0], pa[j][r][1]);
         }
       }
-#else
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      acc[n][0] *= alpha[0] * v_fac; acc[n][1] *= alpha[0] * v_fac;
-      acc[n][2] *= alpha[1] * v_fac; acc[n][3] *= alpha[1] * v_fac;
-    }
-    // O += P.V: k-step j holds keys 16 j .. 16 j + 15 (n-tiles 2 j, 2 j + 1); dims n-tile n = 4 m + b: thread g's
-    // dim 16 g + n (its load's byte n), the B operand's two keys per register interleaved by one byte permute
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      u32 a1 = ROWS > 1 ? pa[j][ROWS - 1][0] : 0u, a3 = ROWS > 1 ? pa[j][ROWS - 1][1] : 0u;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        u32 lo0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x5140);
-        u32 hi0 = __byte_perm(word(vr[j][0][0], m), word(vr[j][0][1], m), 0x7362);
-        u32 lo1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x5140);
-        u32 hi1 = __byte_perm(word(vr[j][1][0], m), word(vr[j][1][1], m), 0x7362);
-        u32 b0[4] = {f16x2_of_e4m3x2((u16)(lo0 & 0xffffu)), f16x2_of_e4m3x2((u16)(lo0 >> 16)),
-                     f16x2_of_e4m3x2((u16)(hi0 & 0xffffu)), f16x2_of_e4m3x2((u16)(hi0 >> 16))};
-        u32 b1[4] = {f16x2_of_e4m3x2((u16)(lo1 & 0xffffu)), f16x2_of_e4m3x2((u16)(lo1 >> 16)),
-                     f16x2_of_e4m3x2((u16)(hi1 & 0xffffu)), f16x2_of_e4m3x2((u16)(hi1 >> 16))};
-#pragma unroll
-        for (int b = 0; b < 4; ++b) mma_f16(acc[4 * m + b], pa[j][0][0], a1, pa[j][0][1], a3, b0[b], b1[b]);
-      }
-    }
-#endif
   }
 
   // The warp's rows: l summed over the quad; unnormalised outputs (V scales applied) to shared memory (the rings'
@@ -400,7 +213,6 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
     int head = g + 8 * r;
-#if PV_T
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -408,14 +220,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
         int col = 8 * r + 2 * t + (c & 1);
         if (col < G) sm_o[warp][col][16 * g + 2 * n + (c >> 1)] = acc[r][n][c] * o_fac;
       }
-#endif
     if (head < G) {
-#if !PV_T
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) sm_o[warp][head][16 * (2 * t + e) + n] = acc[n][2 * r + e] * o_fac;
-#endif
       if (t == 0) { sm_m[warp][head] = m_run[r]; sm_l[warp][head] = l_run[r]; }
     }
   }
