@@ -1,6 +1,6 @@
 """cuda_decode_fp8.py's kernel on one GPU against the bf16 kernel and today's fp8 configuration (issue 22: fp8 decode
 at 1M keys <= 0.6x the bf16 kernel's time): B=1 over 4,096 keys (a wrong result shows without a long sum) and over
-``--keys``, and B=64 over 32K: each split factor's and pipeline depth's time (CUDA graph replay)
+``--keys``, and B=64 over 32K: each candidate configuration's time (CUDA graph replay)
 and error against float64, NaNs counted.
 Prints a table; writes JSON.
     python benchmarks/fp8_cuda_probe.py [--keys 1048576] [--json PATH]      # one H200, ~1 min
@@ -20,11 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
                                  time_graph, with_fp8)
 
-SPLIT_FACTORS = (1, 2)
-STAGES = (2, 3)
+# The adopted configuration first (triton_decode.DECODE_CONFIG's cuda_* keys), then the candidates around it
+CANDIDATES = [dict(), dict(split_factor=2), dict(cuda_stages=3), dict(cuda_min_blocks=3),
+              dict(cuda_min_blocks=3, cuda_stages=3), dict(cuda_heads_per_block=True),
+              dict(cuda_heads_per_block=True, split_factor=0.5), dict(cuda_heads_per_block=True, cuda_min_blocks=3)]
 
 
-def probe(batch: int, keys: int, factors, stages) -> list[dict]:
+def probe(batch: int, keys: int, candidates: list[dict]) -> list[dict]:
     from cpattn.attention.backends import triton_decode as tk
     dev = DEVICE
     case = with_fp8(paged_case(batch, keys, dev))
@@ -50,16 +52,18 @@ def probe(batch: int, keys: int, factors, stages) -> list[dict]:
         today_rel = rel(out, ref)
         rows.append(dict(batch=batch, keys=keys, cfg="bf16", ms=bf16, over_bf16=1.0))
         rows.append(dict(batch=batch, keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=today_rel))
-        for f, st in [(f, st) for st in stages for f in factors]:
-            name = f"cuda x{f} stages {st}"
-            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, split_factor=f, cuda_stages=st)
+        for cand in candidates:
+            name = "cuda " + (" ".join(f"{k.removeprefix('cuda_')}={v}" for k, v in cand.items()) or "adopted")
+            f = cand.get("split_factor", 1)
+            tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, **cand)
             try:
                 out.fill_(float("nan"))
                 call(case.fp8, case.scales)
                 torch.cuda.synchronize()
                 nans, err = int(out.isnan().sum()), rel(out, ref)
                 ms = time_graph(functools.partial(call, case.fp8, case.scales))
-                rows.append(dict(batch=batch, keys=keys, cfg=name, splits=tk.launch_splits(splits * f, {}),
+                launched = tk.launch_splits(splits * f * (4 if cand.get("cuda_heads_per_block") else 1), {})
+                rows.append(dict(batch=batch, keys=keys, cfg=name, splits=launched,
                                  ms=ms, over_bf16=ms / bf16, rel=err, nans=nans))
             except Exception as exc:   # noqa: BLE001 - a diagnostic: the row says what failed
                 rows.append(dict(batch=batch, keys=keys, cfg=name, error=f"{type(exc).__name__}: {exc}"[:600]))
@@ -73,16 +77,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1 << 20)
     parser.add_argument("--json", default="fp8_cuda_probe.json")
-    parser.add_argument("--factors", default=",".join(map(str, SPLIT_FACTORS)))
-    parser.add_argument("--stages", default=",".join(map(str, STAGES)))
+    parser.add_argument("--first", type=int, default=len(CANDIDATES), help="only the first N candidates")
     args = parser.parse_args()
     if DEVICE.type != "cuda":
         print("fp8_cuda_probe needs a CUDA device", file=sys.stderr)
         return 2
-    factors = [float(f) if "." in f else int(f) for f in args.factors.split(",")]
     rows = []
     for batch, keys in ((1, 4096), (1, args.keys), (64, 32768)):
-        got = probe(batch, keys, factors, [int(x) for x in args.stages.split(",")])
+        got = probe(batch, keys, CANDIDATES[:args.first])
         rows += got
         print(f"B={batch} keys={keys}")
         for r in got:

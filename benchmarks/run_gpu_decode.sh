@@ -5,6 +5,7 @@
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh bench   # benchmarks/cp_scaling.py (GPUS=1,2 CASES=...)
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-sweep     # issue 22: CONFIG_OVERRIDES["fp8"], ~2 min, 1 GPU
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh prefix-sweep  # issue 24: CONFIG_OVERRIDES["query_groups"], ~2 min
+#   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-cuda      # issue 22: the CUDA fp8 kernel's candidates, ncu
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh fp8-tests     # issue 22: every fp8 sweep candidate (the heads kernel
 #                                                                # too) and TRITON's features vs float64; fp8_tests.json
 #   OUT=/tmp/out bash benchmarks/run_gpu_decode.sh begin   # issue 18: benchmarks/op_cost.py (a small torch call's cost at
@@ -35,6 +36,19 @@ case "${1:-tests}" in
     timeout "${LIMIT:-200}" python3 benchmarks/triton_decode_sweep.py --fp8-sweep --seconds "${SECONDS_BUDGET:-100}" \
       --json "$OUT/triton_fp8_sweep.json" 2>&1 | tee "$OUT/triton_fp8_sweep.log" | grep -v -E "WARNING|NumPy" | tail -40
     echo "fp8-sweep $(( $(date +%s) - T0 ))s" ;;
+  fp8-cuda)   # issue 22: cuda_decode_fp8.py's candidates (fp8_cuda_probe.py), then Nsight Compute on one 1M-key
+              # launch where ncu exists (where the kernel's time goes: memory, issue, stalls, occupancy)
+    timeout "${LIMIT:-200}" python3 benchmarks/fp8_cuda_probe.py --json "$OUT/fp8_cuda_probe.json" 2>&1 \
+      | tee "$OUT/fp8_cuda_probe.log" | grep -v -E "Warning|warn" | tail -40
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    if [ -n "$NCU" ]; then
+      timeout "${NCU_LIMIT:-150}" "$NCU" -k regex:cpattn_fp8_decode -c 1 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis python3 -c "import sys; sys.path.insert(0, 'benchmarks')
+import fp8_cuda_probe as p; p.probe(1, 1 << 20, [{}])" 2>&1 | tee "$OUT/fp8_cuda_ncu.log" | grep -v -E "Warning|warn" | tail -80
+    else
+      echo "no ncu here"
+    fi
+    echo "fp8-cuda $(( $(date +%s) - T0 ))s" ;;
   fp8-tests)
     timeout "${LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts= -rfEs \
       tests/gpu/test_decode_variants_gpu.py tests/gpu/test_backend_features_gpu.py \

@@ -22,7 +22,7 @@ shift || true
 py=${PYTHON:-python3}
 case "$part" in
   kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py \
-             tests/gpu/test_decode_variants_gpu.py \
+             tests/gpu/test_decode_variants_gpu.py tests/gpu/test_cuda_decode_fp8_gpu.py \
              tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
              tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;

@@ -76,3 +76,19 @@ def test_cuda_fp8_decode_declines_what_it_does_not_serve(counted):
     why = cuda_decode_fp8.fp8_cuda_unserved({"fp8_cuda": True}, q, cache, torch.ones(2, 4, 8), 1, None, None,
                                             (idx, idx))
     assert any("head size 64" in w for w in why) and any("int32" in w for w in why), why
+
+
+@pytest.mark.parametrize("cfg", [dict(cuda_heads_per_block=True), dict(cuda_min_blocks=3),
+                                 dict(cuda_stages=3, split_factor=2), dict(cuda_heads_per_block=True, split_factor=0.5)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("hq, hk, page", [(32, 8, 16), (32, 2, 64), (16, 4, 8)])
+def test_cuda_fp8_decode_variants_match_float64(cfg, hq, hk, page, counted):
+    """fp8_cuda_probe.py's candidates (a kv head per warp: 2 kv heads do not divide into 4 warps, one head per block
+    serves them; fewer registers; deeper rings)."""
+    calls = counted(**cfg)
+    b = outlier_batch([1] * len(LENGTHS), LENGTHS, hq, hk, 128, page, torch.bfloat16, "cuda", seed=hq * hk + page)
+    for world, interleave in ((1, 1), (2, 16)):
+        (out, _), (same, _), (exact, _) = run_case(TritonAttentionBackend, b, None, None, "fp8_e4m3", "cuda", world,
+                                                   interleave)
+        assert rel(out, same) < 1e-2 and rel(out, exact) < 1e-1, (world, rel(out, same), rel(out, exact))
+    assert calls

@@ -29,6 +29,9 @@ adopted in triton_decode.CONFIG_OVERRIDES["fp8"]. Issue 22's 0.6x is still misse
 neither halving the P.V mma (O^T, below), nor more tiles in flight, nor more splits moved it (benchmarks/RESULTS.md).
 - P.V's orientation: O^T = V^T P^T puts dims on the mma's rows (no padded rows) and takes P as the B operand
   straight from the q.K accumulators; O = P V (heads on the rows, 12 of 16 padded at G = 4, 0.787 ms) is in git.
+- Not yet measured (off): cuda_heads_per_block (a block's 4 warps take 4 kv heads over one split: 512 contiguous
+  bytes per key instead of 128, no cross-warp merge) and cuda_min_blocks 3 (168 registers, 12 warps per SM, small
+  spills); benchmarks/fp8_cuda_probe.py sweeps them.
 - Stages (cuda_stages, 2 adopted): each lane copies its own K and V chunks by cp.async into its warp's ring in shared
   memory, that many tiles deep, and reads back only what it copied; the page ids are loaded one tile earlier.
 
@@ -106,18 +109,24 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     if k_cache.shape[1] & (k_cache.shape[1] - 1):
         raise ValueError(f"pages of {k_cache.shape[1]} tokens: not a power of two")
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
-    stages = int(common.get("cuda_stages", 2))
+    stages, hpb = int(common.get("cuda_stages", 2)), heads_per_block(common, k_cache.shape[2])
     kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
-                     _arch(q.device))
+                     hpb > 1, int(common.get("cuda_min_blocks", 2)), _arch(q.device))
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
         o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
-    kernel(grid=(grid_tokens, k_cache.shape[2], splits), block=(THREADS, 1, 1),
+    kernel(grid=(grid_tokens, k_cache.shape[2] // hpb, splits), block=(THREADS, 1, 1),
            shared_mem=shared_bytes(common["G"], stages),
            args=[q, k_cache, v_cache, table, tok, req, lens, ks, vs, out, lse, stride_qt, stride_qh, skb, sks, skh,
                  svb, svs, svh, stride_btb, stride_sp, scale_div, k_cache.shape[1].bit_length() - 1, *o_strides,
                  *l_strides, int(direct), float(logit_args[0])])
+
+
+def heads_per_block(cfg: dict, num_kv_heads: int) -> int:
+    """kv heads a block computes: 4 (one per warp, cuda_heads_per_block) where they divide K, else 1 (the warps share
+    one kv head's tiles). The plan's split count is multiplied by it, so the grid keeps as many blocks."""
+    return THREADS // 32 if cfg.get("cuda_heads_per_block") and num_kv_heads % (THREADS // 32) == 0 else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,13 +142,15 @@ def shared_bytes(g: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, arch: str):
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb: bool, min_blocks: int, arch: str):
     """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
-    per warp and the device's architecture (compiled once per process: ~1 s)."""
+    per warp, a kv head per warp (``hpb``), the blocks per SM its registers allow and the device's architecture
+    (compiled once per process: ~1 s)."""
     from torch.cuda import _utils as cuda_utils
 
     options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-I{SOURCE.parent}"] + (["-DBT64"] if table64 else [])
+               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-DHPB={int(hpb)}", f"-DMIN_BLOCKS={min_blocks}",
+               f"-I{SOURCE.parent}"] + (["-DBT64"] if table64 else [])
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
     kernel = cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
     kernel.set_shared_memory_config(shared_bytes(g, stages))   # over 48 KB: asked for once

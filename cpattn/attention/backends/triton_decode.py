@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cpattn.attention.backends.cuda_decode_fp8 import fp8_cuda_unserved, launch_fp8_cuda
+from cpattn.attention.backends.cuda_decode_fp8 import fp8_cuda_unserved, heads_per_block, launch_fp8_cuda
 from cpattn.attention.backends.triton_decode_fp8_mma import fp8_mma_serves, launch_fp8_mma
 from cpattn.attention.backends.triton_decode_heads import heads_per_program, launch_heads
 from cpattn.attention.backends.triton_tiles import (f16_query, feature_args, kv_tile, kv_tile_pages,
@@ -153,10 +153,11 @@ def _num_sms(device: torch.device) -> int:
 # plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
 # precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
 # cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per
-# warp).
+# warp; cuda_heads_per_block: a kv head per warp; cuda_min_blocks: the blocks per SM its registers allow).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
-                     fp8_mma=False, fp8_cuda=False, cuda_stages=2)
+                     fp8_mma=False, fp8_cuda=False, cuda_stages=2,
+                     cuda_heads_per_block=False, cuda_min_blocks=2)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -235,7 +236,8 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                           soft_cap, (block_table, tok_idx, req_idx, kv_lens))
     mma = not cuda and fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
     heads = 0 if mma or cuda else heads_per_program(cfg, hk, ps, block_n, queries)
-    splits = launch_splits(splits * max(heads, 1), cfg)   # as many programs as the one-head grid's
+    # as many programs as the one-head grid's
+    splits = launch_splits(splits * max(heads, 1) * (heads_per_block(cfg, hk) if cuda else 1), cfg)
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)

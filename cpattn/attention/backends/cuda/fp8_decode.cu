@@ -1,6 +1,7 @@
 // cpattn's fp8 e4m3 paged decode on tensor cores (issue 22); the design and its numbers: cuda_decode_fp8.py.
 // Compiled at run time by NVRTC with -DG=<q heads per kv head> -DQ_KIND=<1 bf16, 2 f16> -DOUT_KIND=<0 float32 split
-// partials, 1 bf16, 2 f16 rows> [-DBT64: an int64 block table] [-DSTAGES=<tiles in flight per warp>] and this
+// partials, 1 bf16, 2 f16 rows> [-DBT64: an int64 block table] [-DSTAGES=<tiles in flight per warp>] [-DHPB=1]
+// [-DMIN_BLOCKS=<n>] and this
 // directory on the include path (fp8_ops.cuh: no CUDA headers, the conversions are PTX); dynamic shared memory:
 // cuda_decode_fp8.shared_bytes.
 //
@@ -21,6 +22,12 @@
 #define STAGES 3          // tiles in flight per warp (cp.async groups)
 #endif
 #define STAGE_BYTES (16 * 512 + 32)
+#ifndef HPB
+#define HPB 0             // 1: a block's warps are NW kv heads over one split (each its own rows), 0: one kv head
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2      // blocks per SM the registers must allow (__launch_bounds__)
+#endif
 #define TILE 32
 #define D 128
 #define ROWS ((G) > 8 ? 2 : 1)
@@ -30,7 +37,7 @@
 
 #include "fp8_ops.cuh"
 
-extern "C" __global__ void __launch_bounds__(NW * 32, 2)
+extern "C" __global__ void __launch_bounds__(NW * 32, MIN_BLOCKS)
 cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
                   const bt_t* __restrict__ block_table, const int* __restrict__ tok_idx,
                   const int* __restrict__ req_idx,
@@ -41,13 +48,17 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
                   int stride_os, int stride_ot, int stride_oh, int stride_ls, int stride_lt, int direct,
                   double scale_log2_d) {
   extern __shared__ __align__(16) u8 smem[];   // NW rings of STAGES x STAGE_BYTES, then the merge's rows
-  const int i = blockIdx.x, kh = blockIdx.y, s = blockIdx.z, splits = gridDim.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#if HPB   // warp w: kv head NW y + w over the whole split
+  const int i = blockIdx.x, kh = blockIdx.y * NW + warp, s = blockIdx.z, splits = gridDim.z, align = TILE;
+#else     // the warps: the kv head's tiles in turn
+  const int i = blockIdx.x, kh = blockIdx.y, s = blockIdx.z, splits = gridDim.z, align = NW * TILE;
+#endif
   const float scale_log2 = (float)scale_log2_d;
   const int tok = tok_idx[i], req = req_idx[i], kv_len = kv_lens[i];
   const int ps_mask = (1 << log2_ps) - 1;
   const int per_split = (kv_len + splits - 1) / splits;
-  const int chunk = (per_split + NW * TILE - 1) / (NW * TILE) * (NW * TILE);
+  const int chunk = (per_split + align - 1) / align * align;
   const int start = s * chunk;
   const int end = min(start + chunk, kv_len);
   const bt_t* bt = block_table + (long long)req * stride_btb;
@@ -76,8 +87,8 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
   // reads back only what it copied (plus the scales, after __syncwarp). A tile's page ids are loaded one tile earlier
   // so its copies issue without waiting on the block table.
   u8* ring = smem + warp * (STAGES * STAGE_BYTES);
-  const int step = NW * TILE;
-  int tile_issue = start + warp * TILE;
+  const int step = HPB ? TILE : NW * TILE, first = HPB ? start : start + warp * TILE;
+  int tile_issue = first;
   int pages_next[4];
   load_pages(bt, tile_issue, end, log2_ps, pages_next);
 #pragma unroll
@@ -88,7 +99,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     load_pages(bt, tile_issue, end, log2_ps, pages_next);
   }
   int stage = 0;
-  for (int tile = start + warp * TILE; tile < end; tile += step) {
+  for (int tile = first; tile < end; tile += step) {
     __syncwarp();   // every lane read the stage about to be refilled (its scales)
     issue_tile(ring + ((stage + STAGES - 1) % STAGES) * STAGE_BYTES, k_cache, v_cache, k_scales, v_scales,
                pages_next, tile_issue, end, kh, g, t, lane, ps_mask, stride_kb, stride_ks, stride_kh, stride_vb,
@@ -225,17 +236,16 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     }
   }
   __syncthreads();
-  // The block's warps merged by their maxima; one row per (head, dim)
+  // The block's warps merged by their maxima (HPB: each warp's own rows); one row per (head, dim)
   const long long row = direct ? (long long)tok : (long long)i;
-  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
-    int head = idx / D, dim = idx % D;
+  for (int idx = threadIdx.x; idx < (HPB ? NW : 1) * G * D; idx += NW * 32) {
+    const int w0 = HPB ? idx / (G * D) : 0, w1 = HPB ? w0 + 1 : NW, rem = idx % (G * D);
+    const int head = rem / D, dim = rem % D;
     float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][head]);
+    for (int w = w0; w < w1; ++w) mx = fmaxf(mx, sm_m[w][head]);
     float l = 0.0f, o = 0.0f;
     if (mx != NEG_INF) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
+      for (int w = w0; w < w1; ++w) {
         float f = exp2f(sm_m[w][head] - mx);
         l += sm_l[w][head] * f;
         o += sm_o[w][head][dim] * f;
@@ -243,7 +253,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     }
     bool has_keys = l > 0.0f;
     float val = has_keys ? o / l : 0.0f;
-    long long q_head = (long long)kh * G + head;
+    long long q_head = (long long)(HPB ? blockIdx.y * NW + w0 : blockIdx.y) * G + head;
     long long at = (long long)(direct ? 0 : s) * stride_os + row * stride_ot + q_head * stride_oh + dim;
 #if OUT_KIND == 0
     reinterpret_cast<float*>(out)[at] = val;
