@@ -87,7 +87,11 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
   // reads back only what it copied (plus the scales, after __syncwarp). A tile's page ids are loaded one tile earlier
   // so its copies issue without waiting on the block table.
   u8* ring = smem + warp * (STAGES * STAGE_BYTES);
-  const int step = HPB ? TILE : NW * TILE, first = HPB ? start : start + warp * TILE;
+#if HPB
+  const int step = TILE, first = start;
+#else
+  const int step = NW * TILE, first = start + warp * TILE;
+#endif
   int tile_issue = first;
   int pages_next[4];
   load_pages(bt, tile_issue, end, log2_ps, pages_next);
@@ -238,13 +242,19 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
   __syncthreads();
   // The block's warps merged by their maxima (HPB: each warp's own rows); one row per (head, dim)
   const long long row = direct ? (long long)tok : (long long)i;
-  for (int idx = threadIdx.x; idx < (HPB ? NW : 1) * G * D; idx += NW * 32) {
-    const int w0 = HPB ? idx / (G * D) : 0, w1 = HPB ? w0 + 1 : NW, rem = idx % (G * D);
-    const int head = rem / D, dim = rem % D;
+#if HPB
+  for (int idx = threadIdx.x; idx < NW * G * D; idx += NW * 32) {
+    const int w0 = idx / (G * D), w1 = w0 + 1, head = idx % (G * D) / D, dim = idx % D;
+#else
+  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
+    const int w0 = 0, w1 = NW, head = idx / D, dim = idx % D;
+#endif
     float mx = NEG_INF;
+#pragma unroll
     for (int w = w0; w < w1; ++w) mx = fmaxf(mx, sm_m[w][head]);
     float l = 0.0f, o = 0.0f;
     if (mx != NEG_INF) {
+#pragma unroll
       for (int w = w0; w < w1; ++w) {
         float f = exp2f(sm_m[w][head] - mx);
         l += sm_l[w][head] * f;
@@ -253,7 +263,11 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     }
     bool has_keys = l > 0.0f;
     float val = has_keys ? o / l : 0.0f;
-    long long q_head = (long long)(HPB ? blockIdx.y * NW + w0 : blockIdx.y) * G + head;
+#if HPB
+    long long q_head = (long long)(blockIdx.y * NW + w0) * G + head;
+#else
+    long long q_head = (long long)kh * G + head;
+#endif
     long long at = (long long)(direct ? 0 : s) * stride_os + row * stride_ot + q_head * stride_oh + dim;
 #if OUT_KIND == 0
     reinterpret_cast<float*>(out)[at] = val;
