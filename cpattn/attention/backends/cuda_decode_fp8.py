@@ -111,13 +111,13 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
     stages, hpb = int(common.get("cuda_stages", 2)), heads_per_block(common, k_cache.shape[2])
     kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
-                     hpb > 1, int(common.get("cuda_min_blocks", 2)), _arch(q.device))
+                     hpb > 1, int(common.get("cuda_min_blocks", 2)), q.device.index or 0)
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
         o_strides, l_strides = (out.stride(0), out.stride(1), out.stride(2)), (lse.stride(0), lse.stride(1))
     kernel(grid=(grid_tokens, k_cache.shape[2] // hpb, splits), block=(THREADS, 1, 1),
-           shared_mem=shared_bytes(common["G"], stages),
+           shared_mem=shared_bytes(common["G"], stages), stream=torch.cuda.current_stream(q.device),
            args=[q, k_cache, v_cache, table, tok, req, lens, ks, vs, out, lse, stride_qt, stride_qh, skb, sks, skh,
                  svb, svs, svh, stride_btb, stride_sp, scale_div, k_cache.shape[1].bit_length() - 1, *o_strides,
                  *l_strides, int(direct), float(logit_args[0])])
@@ -129,31 +129,30 @@ def heads_per_block(cfg: dict, num_kv_heads: int) -> int:
     return THREADS // 32 if cfg.get("cuda_heads_per_block") and num_kv_heads % (THREADS // 32) == 0 else 1
 
 
-@functools.lru_cache(maxsize=None)
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
-
-
-@functools.lru_cache(maxsize=None)
 def shared_bytes(g: int, stages: int) -> int:
     """The kernel's dynamic shared memory: each warp's ring of ``stages`` tiles, reused by the warps' merge."""
     return max(THREADS // 32 * stages * STAGE_BYTES, THREADS // 32 * g * (128 + 2) * 4)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb: bool, min_blocks: int, arch: str):
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb: bool, min_blocks: int, device: int):
     """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
-    per warp, a kv head per warp (``hpb``), the blocks per SM its registers allow and the device's architecture
-    (compiled once per process: ~1 s)."""
+    per warp, a kv head per warp (``hpb``) and the blocks per SM its registers allow, compiled for CUDA device
+    ``device``'s architecture and loaded into its context (a module belongs to one device): ~1 s, once a process."""
     from torch.cuda import _utils as cuda_utils
 
-    options = [f"--gpu-architecture=sm_{arch}", "--use_fast_math", f"-DG={g}", f"-DQ_KIND={q_kind}",
-               f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}", f"-DHPB={int(hpb)}", f"-DMIN_BLOCKS={min_blocks}",
-               f"-I{SOURCE.parent}"] + (["-DBT64"] if table64 else [])
+    with torch.cuda.device(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return _load(cuda_utils, [f"--gpu-architecture=sm_{major}{minor}", "--use_fast_math", f"-DG={g}",
+                                  f"-DQ_KIND={q_kind}", f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}",
+                                  f"-DHPB={int(hpb)}", f"-DMIN_BLOCKS={min_blocks}", f"-I{SOURCE.parent}"]
+                     + (["-DBT64"] if table64 else []), shared_bytes(g, stages))
+
+
+def _load(cuda_utils, options: list[str], smem: int):
     cubin = nvrtc_compile(cuda_utils._get_gpu_rtc_library(), SOURCE.read_text(), options)
     kernel = cuda_utils._cuda_load_module(cubin, [KERNEL])[KERNEL]
-    kernel.set_shared_memory_config(shared_bytes(g, stages))   # over 48 KB: asked for once
+    kernel.set_shared_memory_config(smem)   # over 48 KB: asked for once
     return kernel
 
 
