@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_sweep_common import (ACT, D, DEVICE, HK, HQ, float64_attention, paged_case, rel,  # noqa: E402
-                                 time_graph, with_fp8)
+from kernel_sweep_common import D, DEVICE, HK, HQ, fp8_decode_call, rel, time_graph  # noqa: E402
 
 # The adopted configuration first (triton_decode.DECODE_CONFIG's cuda_* keys), then the candidates around it
 CANDIDATES = [dict(), dict(split_factor=2), dict(cuda_stages=3), dict(cuda_min_blocks=3),
@@ -28,19 +27,8 @@ CANDIDATES = [dict(), dict(split_factor=2), dict(cuda_stages=3), dict(cuda_min_b
 
 def probe(batch: int, keys: int, candidates: list[dict]) -> list[dict]:
     from cpattn.attention.backends import triton_decode as tk
-    dev = DEVICE
-    case = with_fp8(paged_case(batch, keys, dev))
-    q = torch.randn(batch, HQ, D, device=dev).to(ACT)
-    ref = float64_attention(q, case)
-    idx = torch.arange(batch, dtype=torch.int32, device=dev)
-    lens = torch.full((batch,), keys, dtype=torch.int32, device=dev)
-    out = torch.empty(batch, HQ, D, dtype=ACT, device=dev)
-    lse = torch.empty(batch, HQ, dtype=torch.float32, device=dev)
-    splits = tk.decode_num_splits(batch, HK, keys, dev)
-
-    def call(cache, scales):
-        tk.paged_decode(q, cache[0], cache[1], case.table, idx, idx, lens, splits, D ** -0.5, out, lse,
-                        all_rows=True, kv_scale=scales)
+    d = fp8_decode_call(batch, keys, DEVICE)
+    case, out, ref, splits, call = d.case, d.out, d.ref, d.splits, d.call
 
     saved = dict(tk.CONFIG_OVERRIDES)
     rows = []

@@ -65,6 +65,39 @@ def with_fp8(case: PagedCase) -> PagedCase:
     return case
 
 
+@dataclass
+class DecodeCall:
+    """B decodes of one query each over ``case``'s requests (bf16 queries, their float64 reference), as the builder
+    plans them (``splits``: it does not know the cache dtype); ``call(cache, scales)`` runs triton_decode.paged_decode
+    into ``out`` / ``lse``."""
+    case: PagedCase
+    q: torch.Tensor
+    ref: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    splits: int
+    idx: torch.Tensor
+    """[B] int32: decode b reads request b (also its token row)."""
+    lens: torch.Tensor
+
+    def call(self, cache: torch.Tensor, scales: torch.Tensor | None) -> None:
+        from cpattn.attention.backends import triton_decode as tk
+        tk.paged_decode(self.q, cache[0], cache[1], self.case.table, self.idx, self.idx, self.lens, self.splits,
+                        D ** -0.5, self.out, self.lse, all_rows=True, kv_scale=scales)
+
+
+def fp8_decode_call(batch: int, keys: int, device) -> DecodeCall:
+    """with_fp8(paged_case(batch, keys)) and its decodes' buffers (the sweeps' and probes' shared setup)."""
+    from cpattn.attention.backends import triton_decode as tk
+    case = with_fp8(paged_case(batch, keys, device))
+    q = torch.randn(batch, HQ, D, device=device).to(ACT)
+    return DecodeCall(case, q, float64_attention(q, case), torch.empty(batch, HQ, D, dtype=ACT, device=device),
+                      torch.empty(batch, HQ, dtype=torch.float32, device=device),
+                      tk.decode_num_splits(batch, HK, keys, device),
+                      torch.arange(batch, dtype=torch.int32, device=device),
+                      torch.full((batch,), keys, dtype=torch.int32, device=device))
+
+
 def float64_attention(q_BQD: torch.Tensor, case: PagedCase, rows_of_request: list[int] | None = None) -> torch.Tensor:
     """Softmax attention in float64 of each request's queries over its keys (exact values): [rows, Q, D].
     ``rows_of_request``: the request each query row reads (default row b reads request b)."""

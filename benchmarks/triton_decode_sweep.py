@@ -32,9 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_sweep_common import (ACT, DEVICE, FP8_BOUND, RESULTS, Budget, config_line,  # noqa: E402
-                                 device_name, float64_attention, new_kernel_stats, paged_case, rel, time_graph,
-                                 try_candidate, with_fp8)
+from kernel_sweep_common import (DEVICE, FP8_BOUND, RESULTS, Budget, config_line, device_name,  # noqa: E402
+                                 fp8_decode_call, new_kernel_stats, rel, time_graph, try_candidate)
 
 from kernel_sweep_common import D, HK, HQ, PS  # noqa: E402  (cp_scaling's geometry)
 
@@ -194,18 +193,8 @@ def fp8_sweep(tk, dev, seconds: float, fp8_cases=FP8_CASES, first_only: bool = F
     cases = {}
     saved = dict(tk.CONFIG_OVERRIDES)
     for name, batch, keys in fp8_cases:
-        case = with_fp8(paged_case(batch, keys, dev))
-        q = torch.randn(batch, HQ, D, device=dev).to(ACT)
-        ref = float64_attention(q, case)
-        idx = torch.arange(batch, dtype=torch.int32, device=dev)
-        lens = torch.full((batch,), keys, dtype=torch.int32, device=dev)
-        out = torch.empty(batch, HQ, D, dtype=ACT, device=dev)
-        lse = torch.empty(batch, HQ, dtype=torch.float32, device=dev)
-        splits = tk.decode_num_splits(batch, HK, keys, dev)   # the builder's plan (it does not know the cache dtype)
-
-        def call(cache, scales, case=case, q=q, idx=idx, lens=lens, out=out, lse=lse, splits=splits):
-            tk.paged_decode(q, cache[0], cache[1], case.table, idx, idx, lens, splits, D ** -0.5, out, lse,
-                            all_rows=True, kv_scale=scales)
+        d = fp8_decode_call(batch, keys, dev)   # splits: the builder's plan (it does not know the cache dtype)
+        case, out, ref, splits, call = d.case, d.out, d.ref, d.splits, d.call
 
         tk.CONFIG_OVERRIDES["fp8"] = {}
         bf16_ms = time_graph(functools.partial(call, case.cache, None))
