@@ -173,7 +173,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     out = out / "service_bench.json"
     rows = []
-    for n in map(int, args.shards.split(",")):
+    # One Ray for the whole run, started as cpattn.start would (an embedded local instance): each shard count's
+    # service then costs only its own actors, not a Ray start and shutdown each (cp_scaling.py does the same).
+    from cpattn.cluster.service import ensure_ray
+
+    shard_counts = list(map(int, args.shards.split(",")))
+    ensure_ray(None, "cpattn", num_cpus_hint=max(shard_counts) * 1.0)   # every service here: 1 CPU a shard
+    for n in shard_counts:
         rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens, args.device,
                               dtype, args.backend)
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))   # keep what ran if a later size fails

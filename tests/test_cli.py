@@ -342,7 +342,8 @@ def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
     well under a minute naming the service to stop. Also: serve honours RAY_ADDRESS (it started an embedded Ray
     and blocked), --address overrides it, and `cpattn list` shows every service."""
     gcs, env = ray_head["gcs"], ray_head["env"]
-    hog = [*CLI, "serve", "--name", "hog", *SMALL, "--num-shards", "4", "--num-cpus-per-shard", "1"]
+    # One shard holding all 4 of the head's CPUs (a shard process each costs seconds; the claim needs the CPUs held).
+    hog = [*CLI, "serve", "--name", "hog", *SMALL, "--num-shards", "1", "--num-cpus-per-shard", "4"]
     served = _run(hog, env=dict(env, RAY_ADDRESS=gcs))   # no --address: RAY_ADDRESS, as status and stop do
     assert served.returncode == 0 and "cpattn service 'hog'" in served.stdout, served.stderr
     try:
@@ -371,8 +372,9 @@ def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):
 
 def _start_embedded(name: str) -> tuple[subprocess.Popen, list[str]]:
     """`cpattn serve` without an address, in a session of its own; returns once it serves, with its stdout."""
-    proc = subprocess.Popen([*CLI, "serve", "--name", name, *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=user_env(), start_new_session=True)
+    # One shard (SMALL's last word wins): the three serves run side by side, and a shard process costs seconds.
+    proc = subprocess.Popen([*CLI, "serve", "--name", name, *SMALL, "--num-shards", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=user_env(), start_new_session=True)
     return proc, []
 
 
@@ -428,7 +430,7 @@ def _stop_embedded(key, proc: subprocess.Popen, serving: str):
         printed = _printed_commands(serving)
         assert printed["status"].endswith(" --name cli-embedded"), printed
         status = _run(command(printed["status"]))
-        assert status.returncode == 0 and "2 shards on 1 node(s)" in status.stdout, status.stderr
+        assert status.returncode == 0 and "1 shards on 1 node(s)" in status.stdout, status.stderr
         assert BANNER not in status.stderr
         assert proc.poll() is None   # still serving
         stopped = _run(command(printed["stop"]))
