@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpattn.attention.backends import cuda_decode_fp8, triton_decode
+from cpattn.attention.backends import cuda_decode_fp8
 from cpattn.attention.backends.triton_attn import TritonAttentionBackend
 from tests.kernel_feature_cases import outlier_batch, rel, run_case
 
@@ -29,10 +29,12 @@ def counted(monkeypatch):
         calls.append(args[0])
         return real(*args, **kw)
 
-    monkeypatch.setattr(triton_decode, "launch_fp8_cuda", launch)
+    # by name, when a test runs: triton_decode imports triton, which a CPU run that collects this module lacks
+    monkeypatch.setattr("cpattn.attention.backends.triton_decode.launch_fp8_cuda", launch)
 
     def use(**cfg):
-        monkeypatch.setattr(triton_decode, "CONFIG_OVERRIDES", {"fp8": dict(fp8_cuda=True, **cfg), "query_groups": {}})
+        monkeypatch.setattr("cpattn.attention.backends.triton_decode.CONFIG_OVERRIDES",
+                            {"fp8": dict(fp8_cuda=True, **cfg), "query_groups": {}})
         return calls
 
     return use
