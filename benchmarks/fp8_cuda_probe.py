@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import D, DEVICE, HK, HQ, fp8_decode_call, rel, time_graph  # noqa: E402
 
 # The adopted configuration first (triton_decode.DECODE_CONFIG's cuda_* keys), then the candidates around it
-CANDIDATES = [dict(), dict(split_factor=2), dict(cuda_stages=3), dict(cuda_min_blocks=3),
+CANDIDATES = [dict(), dict(cuda_v_swizzle=True), dict(cuda_v_swizzle=True, split_factor=2), dict(split_factor=2),
+              dict(cuda_stages=3), dict(cuda_min_blocks=3),
               dict(cuda_min_blocks=3, cuda_stages=3), dict(cuda_heads_per_block=True),
               dict(cuda_heads_per_block=True, split_factor=0.5), dict(cuda_heads_per_block=True, cuda_min_blocks=3)]
 

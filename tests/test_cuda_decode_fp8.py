@@ -35,14 +35,15 @@ def _nvrtc() -> ctypes.CDLL | None:
     return None
 
 
-@pytest.mark.parametrize("g, q_kind, out_kind", [(4, 1, 0), (16, 2, 1), (1, 1, 2), (3, 1, 0)])
-def test_source_compiles_for_sm90(g, q_kind, out_kind):
+@pytest.mark.parametrize("g, q_kind, out_kind, extra", [(4, 1, 0, []), (16, 2, 1, []), (1, 1, 2, []), (3, 1, 0, []),
+                                                       (4, 1, 0, ["-DVSWZ=1"]), (8, 1, 1, ["-DVSWZ=1", "-DHPB=1"])])
+def test_source_compiles_for_sm90(g, q_kind, out_kind, extra):
     lib = _nvrtc()
     if lib is None:
         pytest.skip("no NVRTC library here (set CPATTN_NVRTC)")
     cubin = cd.nvrtc_compile(lib, cd.SOURCE.read_text(), ["--gpu-architecture=sm_90", "--use_fast_math", f"-DG={g}",
                                                            f"-DQ_KIND={q_kind}", f"-DOUT_KIND={out_kind}",
-                                                           f"-I{cd.SOURCE.parent}"])
+                                                           f"-I{cd.SOURCE.parent}", *extra])
     assert cubin[:4] == b"\x7fELF" and cd.KERNEL.encode() in cubin
 
 

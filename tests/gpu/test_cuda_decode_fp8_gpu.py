@@ -80,7 +80,8 @@ def test_cuda_fp8_decode_declines_what_it_does_not_serve(counted):
     assert any("head size 64" in w for w in why) and any("int32" in w for w in why), why
 
 
-@pytest.mark.parametrize("cfg", [dict(cuda_heads_per_block=True), dict(cuda_min_blocks=3),
+@pytest.mark.parametrize("cfg", [dict(cuda_v_swizzle=True), dict(cuda_v_swizzle=True, cuda_stages=3),
+                                 dict(cuda_heads_per_block=True), dict(cuda_min_blocks=3),
                                  dict(cuda_stages=3, split_factor=2), dict(cuda_heads_per_block=True, split_factor=0.5)],
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("hq, hk, page", [(32, 8, 16), (32, 2, 64), (16, 4, 8)])

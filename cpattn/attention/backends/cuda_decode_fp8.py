@@ -32,6 +32,10 @@ neither halving the P.V mma (O^T, below), nor more tiles in flight, nor more spl
 - Not yet measured (off): cuda_heads_per_block (a block's 4 warps take 4 kv heads over one split: 512 contiguous
   bytes per key instead of 128, no cross-warp merge) and cuda_min_blocks 3 (168 registers, 12 warps per SM, small
   spills); benchmarks/fp8_cuda_probe.py sweeps them.
+- Measured 2026-12-02 (session 14), Nsight Compute on one 1M-key launch: L2 is the limit (89% busy at 57% of DRAM
+  bandwidth; the bf16 Triton kernel: 79% of DRAM). V's 8 cp.async copies move twice their sectors (34% excess of
+  the kernel's), because a sector's two 16-byte halves land in shared-memory slots 64 bytes apart. cuda_v_swizzle
+  (off, compile-checked, not yet run on a GPU) lays V's chunks out so they stay adjacent (fp8_ops.cuh: v_slot).
 - Stages (cuda_stages, 2 adopted): each lane copies its own K and V chunks by cp.async into its warp's ring in shared
   memory, that many tiles deep, and reads back only what it copied; the page ids are loaded one tile earlier.
 
@@ -111,7 +115,8 @@ def launch_fp8_cuda(splits: int, grid_tokens: int, args_head: tuple, strides_in:
     stride_qt, stride_qh, skb, sks, skh, svb, svs, svh, stride_btb, stride_sp, scale_div = strides_in
     stages, hpb = int(common.get("cuda_stages", 2)), heads_per_block(common, k_cache.shape[2])
     kernel = _kernel(common["G"], _Q_KIND[q.dtype], _OUT_KIND[out.dtype], table.dtype == torch.int64, stages,
-                     hpb > 1, int(common.get("cuda_min_blocks", 2)), q.device.index or 0)
+                     hpb > 1, int(common.get("cuda_min_blocks", 2)), bool(common.get("cuda_v_swizzle")),
+                     q.device.index or 0)
     if direct:
         o_strides, l_strides = (0, out.stride(0), out.stride(1)), (0, lse.stride(0))
     else:
@@ -135,9 +140,11 @@ def shared_bytes(g: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb: bool, min_blocks: int, device: int):
+def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb: bool, min_blocks: int,
+            v_swizzle: bool, device: int):
     """The kernel for G heads per kv head, the query and output dtypes, the block table's, ``stages`` tiles in flight
-    per warp, a kv head per warp (``hpb``) and the blocks per SM its registers allow, compiled for CUDA device
+    per warp, a kv head per warp (``hpb``), the blocks per SM its registers allow and V's shared-memory layout
+    (``v_swizzle``: fp8_ops.cuh's v_slot), compiled for CUDA device
     ``device``'s architecture and loaded into its context (a module belongs to one device): ~1 s, once a process."""
     from torch.cuda import _utils as cuda_utils
 
@@ -145,7 +152,8 @@ def _kernel(g: int, q_kind: int, out_kind: int, table64: bool, stages: int, hpb:
         major, minor = torch.cuda.get_device_capability(device)
         return _load(cuda_utils, [f"--gpu-architecture=sm_{major}{minor}", "--use_fast_math", f"-DG={g}",
                                   f"-DQ_KIND={q_kind}", f"-DOUT_KIND={out_kind}", f"-DSTAGES={stages}",
-                                  f"-DHPB={int(hpb)}", f"-DMIN_BLOCKS={min_blocks}", f"-I{SOURCE.parent}"]
+                                  f"-DHPB={int(hpb)}", f"-DMIN_BLOCKS={min_blocks}", f"-DVSWZ={int(v_swizzle)}",
+                                  f"-I{SOURCE.parent}"]
                      + (["-DBT64"] if table64 else []), shared_bytes(g, stages))
 
 

@@ -153,11 +153,12 @@ def _num_sms(device: torch.device) -> int:
 # plain decodes through triton_decode_fp8_mma.py's kernel (fp8 tensor-core q.K dots, K not converted; it takes
 # precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
 # cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per
-# warp; cuda_heads_per_block: a kv head per warp; cuda_min_blocks: the blocks per SM its registers allow).
+# warp; cuda_heads_per_block: a kv head per warp; cuda_min_blocks: the blocks per SM its registers allow;
+# cuda_v_swizzle: V's chunks key-major and swizzled in shared memory, so cp.async moves whole sectors).
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
                      fp8_mma=False, fp8_cuda=False, cuda_stages=2,
-                     cuda_heads_per_block=False, cuda_min_blocks=2)
+                     cuda_heads_per_block=False, cuda_min_blocks=2, cuda_v_swizzle=False)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),

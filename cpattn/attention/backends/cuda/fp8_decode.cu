@@ -1,7 +1,7 @@
 // cpattn's fp8 e4m3 paged decode on tensor cores (issue 22); the design and its numbers: cuda_decode_fp8.py.
 // Compiled at run time by NVRTC with -DG=<q heads per kv head> -DQ_KIND=<1 bf16, 2 f16> -DOUT_KIND=<0 float32 split
 // partials, 1 bf16, 2 f16 rows> [-DBT64: an int64 block table] [-DSTAGES=<tiles in flight per warp>] [-DHPB=1]
-// [-DMIN_BLOCKS=<n>] and this
+// [-DMIN_BLOCKS=<n>] [-DVSWZ=1] and this
 // directory on the include path (fp8_ops.cuh: no CUDA headers, the conversions are PTX); dynamic shared memory:
 // cuda_decode_fp8.shared_bytes.
 //
@@ -24,6 +24,9 @@
 #define STAGE_BYTES (16 * 512 + 32)
 #ifndef HPB
 #define HPB 0             // 1: a block's warps are NW kv heads over one split (each its own rows), 0: one kv head
+#endif
+#ifndef VSWZ
+#define VSWZ 0            // 1: V's chunks key-major and swizzled in shared memory (fp8_ops.cuh: v_slot)
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2      // blocks per SM the registers must allow (__launch_bounds__)
@@ -119,7 +122,7 @@ cpattn_fp8_decode(const u16* __restrict__ q, const u8* __restrict__ k_cache, con
     for (int c = 0; c < 8; ++c) kr[c / 2][c % 2] = *reinterpret_cast<const u32x4*>(here + c * 512 + lane * 16);
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-      vr[c / 4][(c / 2) % 2][c % 2] = *reinterpret_cast<const u32x4*>(here + (8 + c) * 512 + lane * 16);
+      vr[c / 4][(c / 2) % 2][c % 2] = *reinterpret_cast<const u32x4*>(here + (8 + c) * 512 + v_slot(g, t));
     float ks[4], vs[4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {

@@ -127,6 +127,16 @@ __device__ __forceinline__ void load_pages(const bt_t* bt, int tile, int end, in
   }
 }
 
+// Where thread (g, t)'s 16 bytes of a V chunk (key 2 t + e of its 8, bytes 16 g ..) sit in the chunk's 512 bytes.
+// VSWZ 0: lane-major (4 g + t). Then the two 16-byte halves of a 32-byte sector are copied by lanes g, g + 1 into
+// slots 64 bytes apart, and cp.async moves each half as a sector of its own (ncu on the H200: V's 8 copies 2x their
+// sectors, 34% of all the kernel's, L2 89% busy at 57% of DRAM bandwidth). VSWZ 1: key-major (key t's 128 bytes at
+// 128 t), its 16-byte units XOR-swizzled by 2 t, so a sector's halves stay adjacent and the 8 lanes of each
+// quarter-warp read back 8 distinct 16-byte bank groups.
+__device__ __forceinline__ int v_slot(int g, int t) {
+  return VSWZ ? 128 * t + 16 * (g ^ (2 * t)) : 16 * (4 * g + t);
+}
+
 // One tile's copies into a stage: chunks 0-7 this lane's K (key tile + 8 nt + g, bytes 16 t .. and 64 + 16 t ..),
 // chunks 8-15 its V (keys 16 j + 8 h + 2 t + e, bytes 16 g ..), each chunk 32 lanes x 16 bytes; then the 4 K and 4
 // V scales of the tile's runs (lanes 0-7). A commit group per tile, empty past the end.
@@ -137,9 +147,8 @@ __device__ __forceinline__ void issue_tile(u8* st, const u8* k_cache, const u8* 
   if (tile < end) {
     // Copy i of K and of V takes 4 whole keys (lanes 8 apart: 128 contiguous bytes each) and puts each 16 bytes where
     // the lane reading them back expects them: K's key g bytes 16 t (+ 64: chunk 2 nt + 1) in lane 4 g + t's slot of
-    // chunk 2 nt; V's key 2 t + e bytes 16 g in lane 4 g + t's slot of chunk 8 + 4 (nt / 2) + 2 (nt % 2) + e. V copied
-    // as the lanes read it (key 2 t + e, bytes 16 g) moved twice its sectors through L2 (ncu, H200: 34% excess sectors,
-    // L2 89% busy at 57% of DRAM bandwidth).
+    // chunk 2 nt; V's key 2 t + e bytes 16 g at v_slot(g, t) of chunk 8 + 4 (nt / 2) + 2 (nt % 2) + e. (Measured on
+    // the H200 with the scales' page chain below: 1M keys 0.786 -> 0.770 ms; the copies' sectors did not change.)
     const int kw = lane / 8, kb = 16 * (lane % 8);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -150,7 +159,7 @@ __device__ __forceinline__ void issue_tile(u8* st, const u8* k_cache, const u8* 
       copy16(st + (2 * nt + kb / 64) * 512 + (4 * w + kb % 64 / 16) * 16, pk + kb, ok);
       const u8* pv = v_cache + (long long)pages[nt] * stride_vb + (long long)slot * stride_vs
                      + (long long)kh * stride_vh;
-      copy16(st + (8 + 4 * (nt / 2) + 2 * (nt % 2) + w % 2) * 512 + (4 * (kb / 16) + w / 2) * 16, pv + kb, ok);
+      copy16(st + (8 + 4 * (nt / 2) + 2 * (nt % 2) + w % 2) * 512 + v_slot(kb / 16, w / 2), pv + kb, ok);
     }
     if (lane < 8) {
       int nt = lane % 4;   // pages[] by a chain, not by index: a lane-dependent index puts the array in local memory
