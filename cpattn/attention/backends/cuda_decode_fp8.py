@@ -23,8 +23,9 @@ operand registers, with no shared memory and no barrier in the key loop:
   end; the splits merge as the Triton kernels' do (merge_attn_states_triton), or the block writes the rows directly.
   240 registers a thread: 2 blocks (8 warps) per SM.
 
-Measured (2026-12-02, nvidia-h200, benchmarks/fp8_cuda_probe.py, CUDA graph replay): 1M keys B=1 0.782 ms against
-bf16's 1.005 (0.78x; the Triton heads kernel 0.856), B=64 x 32K 0.75x, rel 4.2e-2 vs float64 (the cache's own error);
+Measured (2026-12-02, nvidia-h200, benchmarks/fp8_cuda_probe.py, CUDA graph replay): 1M keys B=1 0.770 ms against
+bf16's 1.028 (0.75x; session 13's copies 0.782; the Triton heads kernel 0.856), B=64 x 32K 0.73x, rel 3-5e-2 vs
+float64 (the cache's own error);
 adopted in triton_decode.CONFIG_OVERRIDES["fp8"]. Issue 22's 0.6x is still missed: 2.75 TB/s against bf16's 4.2, and
 neither halving the P.V mma (O^T, below), nor more tiles in flight, nor more splits moved it (benchmarks/RESULTS.md).
 - P.V's orientation: O^T = V^T P^T puts dims on the mma's rows (no padded rows) and takes P as the B operand
