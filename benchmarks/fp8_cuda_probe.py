@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import D, DEVICE, HK, HQ, fp8_decode_call, rel, time_graph  # noqa: E402
 
 # The adopted configuration first (triton_decode.DECODE_CONFIG's cuda_* keys), then the candidates around it
-CANDIDATES = [dict(), dict(cuda_v_swizzle=True), dict(cuda_v_swizzle=True, split_factor=2), dict(split_factor=2),
+CANDIDATES = [dict(), dict(cuda_v_swizzle=True), dict(cuda_v_swizzle=True, fill_splits=True), dict(fill_splits=True),
+              dict(split_factor=2),
               dict(cuda_stages=3), dict(cuda_min_blocks=3),
               dict(cuda_min_blocks=3, cuda_stages=3), dict(cuda_heads_per_block=True),
               dict(cuda_heads_per_block=True, split_factor=0.5), dict(cuda_heads_per_block=True, cuda_min_blocks=3)]
@@ -51,7 +52,9 @@ def probe(batch: int, keys: int, candidates: list[dict]) -> list[dict]:
                 torch.cuda.synchronize()
                 nans, err = int(out.isnan().sum()), rel(out, ref)
                 ms = time_graph(functools.partial(call, case.fp8, case.scales))
-                launched = tk.launch_splits(splits * f * (4 if cand.get("cuda_heads_per_block") else 1), {})
+                per_block = 4 if cand.get("cuda_heads_per_block") else 1
+                launched = tk.launch_splits(splits * per_block, dict(tk.DECODE_CONFIG, split_factor=f, **cand),
+                                            batch * HK // per_block, DEVICE)
                 rows.append(dict(batch=batch, keys=keys, cfg=name, splits=launched,
                                  ms=ms, over_bf16=ms / bf16, rel=err, nans=nans))
             except Exception as exc:   # noqa: BLE001 - a diagnostic: the row says what failed

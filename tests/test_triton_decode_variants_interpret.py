@@ -104,3 +104,16 @@ def test_config_overrides_apply_per_case(monkeypatch):
     assert (both["block_n"], both["num_warps"]) == (64, 8)
     assert [triton_decode.launch_splits(s, both) for s in (1, 32, 256)] == [2, 64, 256]
     assert triton_decode.launch_splits(1, dict(split_factor=0.5)) == 1
+
+
+def test_fill_splits_doubles_only_a_floor_limited_plan():
+    """fill_splits: S x 2 where S > 1 and 2 S programs fit in half the target (waves x 132 SMs on the CPU), never
+    otherwise: not a single split (its direct write), not a plan that already fills the GPU."""
+    cfg = dict(triton_decode.DECODE_CONFIG, fill_splits=True)
+    cpu = torch.device("cpu")
+    assert triton_decode.launch_splits(4, cfg, 8, cpu) == 8        # B=1 x 8 kv heads at 4,096 keys
+    assert triton_decode.launch_splits(1, cfg, 8, cpu) == 1        # a short context keeps its one split
+    assert triton_decode.launch_splits(32, cfg, 8, cpu) == 32      # 1M keys: 256 programs already
+    assert triton_decode.launch_splits(2, cfg, 512, cpu) == 2      # B=64
+    assert triton_decode.launch_splits(4, dict(cfg, fill_splits=False), 8, cpu) == 4
+    assert triton_decode.launch_splits(4, cfg) == 4                # no programs given: the plan's S

@@ -154,11 +154,13 @@ def _num_sms(device: torch.device) -> int:
 # precedence over heads_per_program; measured slower, off); fp8_cuda: an e4m3 cache's plain decodes through
 # cuda_decode_fp8.py's CUDA kernel where it serves (precedence over both; cuda_stages: its tiles in flight per
 # warp; cuda_heads_per_block: a kv head per warp; cuda_min_blocks: the blocks per SM its registers allow;
-# cuda_v_swizzle: V's chunks key-major and swizzled in shared memory, so cp.async moves whole sectors).
+# cuda_v_swizzle: V's chunks key-major and swizzled in shared memory, so cp.async moves whole sectors);
+# fill_splits: launch_splits doubles S where the plan's key floor per split left the GPU under half full.
 DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=8, fp8_f16_dot=False,
                      page_tiles=False, prefetch=False, split_factor=1, fp8_v_scaled=False, heads_per_program=0,
                      fp8_mma=False, fp8_cuda=False, cuda_stages=2,
-                     cuda_heads_per_block=False, cuda_min_blocks=2, cuda_v_swizzle=False)
+                     cuda_heads_per_block=False, cuda_min_blocks=2, cuda_v_swizzle=False,
+                     fill_splits=False)
 
 # What differs from DECODE_CONFIG per case ({}: today's configuration). The sweeps print the line to paste:
 # benchmarks/triton_decode_sweep.py --fp8-sweep the "fp8" entry (an fp8 cache's decodes),
@@ -200,9 +202,15 @@ def decode_num_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, devic
     return 1 << (splits.bit_length() - 1)
 
 
-def launch_splits(splits: int, cfg: dict) -> int:
-    """The plan's S scaled by ``cfg``'s split_factor, a power of two in [1, 256]."""
+def launch_splits(splits: int, cfg: dict, programs: int = 0, device: torch.device | None = None) -> int:
+    """The plan's S scaled by ``cfg``'s split_factor, a power of two in [1, 256]. ``cfg["fill_splits"]``: S doubled
+    where the plan had several splits but its key floor per split (min_tiles) left fewer than half its target of
+    (token, kv head, split) programs (``programs`` per split on ``device``); the CUDA fp8 kernel at 4,096 keys, B=1:
+    32 blocks for 132 SMs, 0.018 -> 0.012 ms with twice the splits (benchmarks/RESULTS.md, session 14)."""
     scaled = max(1, min(256, int(splits * cfg.get("split_factor", 1))))
+    if cfg.get("fill_splits") and scaled > 1 and programs and device is not None \
+            and 2 * scaled * programs <= cfg["waves"] * _num_sms(device):
+        scaled = min(256, 2 * scaled)
     return 1 << (scaled.bit_length() - 1)
 
 
@@ -238,7 +246,8 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mma = not cuda and fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
     heads = 0 if mma or cuda else heads_per_program(cfg, hk, ps, block_n, queries)
     # as many programs as the one-head grid's
-    splits = launch_splits(splits * max(heads, 1) * (heads_per_block(cfg, hk) if cuda else 1), cfg)
+    per_block = heads_per_block(cfg, hk) if cuda else 1
+    splits = launch_splits(splits * max(heads, 1) * per_block, cfg, num_tok * hk // per_block, q_TQD.device)
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
