@@ -2,7 +2,9 @@
 # The GPU tests in parts that each finish within one device `run` (under 8 minutes on nvidia-h200-x2,
 # measured 2026-11-30: all four files but FlashInfer's cases took 5:16 together; FlashInfer JIT-compiles
 # for ~100 s on first use, so its cases are a part of their own).
-#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP, cascade splits
+#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP; the CUDA fp8 decode
+#   bash scripts/test_gpu.sh variants    # the TRITON decode's launch variants, cascade splits (with kernels, the
+#                                        # two no longer fit one 330 s call: cut off at ~60% on 2026-12-02)
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
 #   bash scripts/test_gpu.sh steady      # a decode run's steps opened without a plan (buffers from the host or
 #                                        # the run's rows) vs the planned path, and through the service vs float64
@@ -22,8 +24,9 @@ shift || true
 py=${PYTHON:-python3}
 case "$part" in
   kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py \
-             tests/gpu/test_decode_variants_gpu.py tests/gpu/test_cuda_decode_fp8_gpu.py \
-             tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
+             tests/gpu/test_cuda_decode_fp8_gpu.py -k "not FLASHINFER" "$@" ;;
+  variants) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_variants_gpu.py \
+              tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
              tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;
   steady) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/test_decode_host_refill.py \
@@ -37,7 +40,7 @@ case "$part" in
   prefill) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_prefill_backend_gpu.py \
              tests/gpu/test_wire_select_gpu.py tests/gpu/test_long_context_job_gpu.py "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
-  *) echo "usage: bash scripts/test_gpu.sh {kernels|service|steady|dataplane|usergraph|prefill|flashinfer|features}" \
+  *) echo "usage: bash scripts/test_gpu.sh {kernels|variants|service|steady|dataplane|usergraph|prefill|flashinfer|features}" \
           "[pytest args]" >&2
      exit 1 ;;
 esac
