@@ -47,8 +47,9 @@ class Step:
 
     @property
     def recoveries(self) -> int:
-        """Shard losses this step survived (kv_replicas=2: rejoined, begun again, its layers replayed)."""
-        return self._run.recoveries
+        """Shard losses this step survived (kv_replicas=2: rejoined, begun again, its layers replayed), a loss
+        found by its commit (sent without waiting) included once that commit is read (the client's next call)."""
+        return self._run.recoveries + self._run.timings.get("commit_replays", 0)
 
     @property
     def _info(self) -> BegunStep | None:

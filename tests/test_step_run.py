@@ -185,6 +185,21 @@ def test_a_deferred_commit_rolled_back_after_all_is_replayed_from_the_messages_s
     assert [ptr for _, _, ptr in host.sent[LAYERS:]] == [ptr for _, _, ptr in first_sent]
 
 
+def test_a_loss_found_by_a_deferred_commit_counts_as_the_steps_recovery_once_read():
+    """The flake seen on CI (test_killed_between_layers_replays_the_step): the killed shard answered every layer,
+    the commit found it dead, the replay ran in a fresh step of its own, and the Step said 0 recoveries."""
+    host = FakeHost(kv_replicas=2, async_commit=True, read_commit=[RECOVERED])
+    host.config = service_config(num_layers=LAYERS, num_q_heads=HQ, num_kv_heads=HK, head_size=D, async_commit=True,
+                                 kv_replicas=2)
+    with Step(host, dict(REQUEST)) as step:
+        for layer in range(LAYERS):
+            step.attend(layer, *qkv(layer))
+    assert step.recoveries == 0   # the commit's answer is not read yet
+    pending, host.pending = host.pending, None
+    finish_deferred_commit(host, pending)
+    assert step.recoveries == 1
+
+
 def test_a_deferred_commit_rolled_back_without_replicas_says_run_it_again():
     host = FakeHost(async_commit=True, read_commit=[RECOVERED])
     run = opened(host)

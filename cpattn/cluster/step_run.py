@@ -315,6 +315,8 @@ def finish_deferred_commit(host: StepHost, pending: PendingCommit) -> None:
                            "run it again (kv_replicas=2 replays it automatically)")
     logger.warning("step %s: %s; shard replaced, replaying its %d layers", pending.step_id, report.failure,
                    len(pending.replay))
+    # the step that sent the commit has ended: its Step counts this recovery through its own timings dict
+    pending.timings["commit_replays"] = pending.timings.get("commit_replays", 0) + 1
     again = StepRun(host, pending.request, sync_commit=True, claimed=host.open_step is not None)
     again.open()
     try:
