@@ -19,8 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_sweep_common import D, DEVICE, HK, HQ, fp8_decode_call, rel, time_graph  # noqa: E402
 
-# The adopted configuration first (triton_decode.DECODE_CONFIG's cuda_* keys), then the candidates around it
-CANDIDATES = [dict(), dict(cuda_v_swizzle=True), dict(cuda_v_swizzle=True, fill_splits=True), dict(fill_splits=True),
+# The adopted configuration first (triton_decode.CONFIG_OVERRIDES["fp8"]), then the candidates around it: session 14's
+# (V's smem slots lane-major, the plan's splits), each of the two changes alone, more splits, stages, occupancy
+CANDIDATES = [dict(), dict(cuda_v_swizzle=False, fill_splits=False), dict(fill_splits=False), dict(cuda_v_swizzle=False),
               dict(split_factor=2),
               dict(cuda_stages=3), dict(cuda_min_blocks=3),
               dict(cuda_min_blocks=3, cuda_stages=3), dict(cuda_heads_per_block=True),
@@ -44,7 +45,6 @@ def probe(batch: int, keys: int, candidates: list[dict]) -> list[dict]:
         rows.append(dict(batch=batch, keys=keys, cfg="today's fp8", ms=today, over_bf16=today / bf16, rel=today_rel))
         for cand in candidates:
             name = "cuda " + (" ".join(f"{k.removeprefix('cuda_')}={v}" for k, v in cand.items()) or "adopted")
-            f = cand.get("split_factor", 1)
             tk.CONFIG_OVERRIDES["fp8"] = dict(saved["fp8"], fp8_cuda=True, **cand)
             try:
                 out.fill_(float("nan"))
@@ -53,8 +53,8 @@ def probe(batch: int, keys: int, candidates: list[dict]) -> list[dict]:
                 nans, err = int(out.isnan().sum()), rel(out, ref)
                 ms = time_graph(functools.partial(call, case.fp8, case.scales))
                 per_block = 4 if cand.get("cuda_heads_per_block") else 1
-                launched = tk.launch_splits(splits * per_block, dict(tk.DECODE_CONFIG, split_factor=f, **cand),
-                                            batch * HK // per_block, DEVICE)
+                launched = tk.launch_splits(splits * per_block, tk.decode_config(fp8=True), batch * HK // per_block,
+                                            DEVICE)
                 rows.append(dict(batch=batch, keys=keys, cfg=name, splits=launched,
                                  ms=ms, over_bf16=ms / bf16, rel=err, nans=nans))
             except Exception as exc:   # noqa: BLE001 - a diagnostic: the row says what failed

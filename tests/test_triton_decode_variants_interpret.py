@@ -37,6 +37,9 @@ VARIANTS = {
     "v_scaled_f16": dict(fp8_v_scaled=True, fp8_f16_dot=True, prefetch=True),
     # triton_decode_heads.py (fp8 decodes; the query groups keep the one-head kernel): both kv heads in one program
     "heads_f16": dict(heads_per_program=8, block_n=32, num_warps=2, fp8_f16_dot=True),
+    # launch_splits doubling S (the fp8 override's fill_splits), the one-head and the heads kernel's grids
+    "fill_splits": dict(fill_splits=True),
+    "heads_f16_fill_splits": dict(heads_per_program=8, block_n=32, num_warps=2, fp8_f16_dot=True, fill_splits=True),
 }
 
 

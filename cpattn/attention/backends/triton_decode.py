@@ -170,9 +170,11 @@ DECODE_CONFIG = dict(waves=2, block_n=128, num_warps=4, num_stages=4, min_tiles=
 # one-head kernel's 1.130), B=64 32K 0.78x; a prefix pass's query groups 0.298 ms, 1.10x one decode over its pages.
 # 2026-12-02 (same machine): fp8_cuda, an e4m3 cache's plain decodes on cuda_decode_fp8.py's kernel (the heads kernel
 # still serves e5m2, windows and soft caps): 1M keys 0.782 ms vs bf16 1.005 (0.78x; the heads kernel 0.856), B=64 32K
-# 1.503 vs 2.009 (0.75x).
+# 1.503 vs 2.009 (0.75x). 2026-12-02 (session 15): cuda_v_swizzle 1M keys 0.551 ms vs bf16 1.018 (0.54x), B=64 32K
+# 0.52x; fill_splits at 4,096 keys 0.0152 -> 0.0108 ms (benchmarks/RESULTS.md, session 15).
 CONFIG_OVERRIDES = {
-    "fp8": {"block_n": 64, "num_stages": 1, "fp8_f16_dot": True, "heads_per_program": 4, "fp8_cuda": True},
+    "fp8": {"block_n": 64, "num_stages": 1, "fp8_f16_dot": True, "heads_per_program": 4, "fp8_cuda": True,
+            "cuda_v_swizzle": True, "fill_splits": True},
     "query_groups": {"block_n": 64, "num_stages": 1, "page_tiles": True, "prefetch": True},
 }
 
@@ -245,9 +247,10 @@ def paged_decode(q_TQD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                           soft_cap, (block_table, tok_idx, req_idx, kv_lens))
     mma = not cuda and fp8_mma_serves(cfg, k_cache, kv_scale, ps, block_n, queries)
     heads = 0 if mma or cuda else heads_per_program(cfg, hk, ps, block_n, queries)
-    # as many programs as the one-head grid's
+    # as many programs as the one-head grid's; a split's programs: a block per (token, kv heads of one block)
     per_block = heads_per_block(cfg, hk) if cuda else 1
-    splits = launch_splits(splits * max(heads, 1) * per_block, cfg, num_tok * hk // per_block, q_TQD.device)
+    programs_per_split = max(1, num_tok * hk // (per_block * max(heads, 1)))
+    splits = launch_splits(splits * max(heads, 1) * per_block, cfg, programs_per_split, q_TQD.device)
     page_tiles = (bool(cfg["page_tiles"]) and key_start is None and ps & (ps - 1) == 0 and block_n % ps == 0)
     grid = (num_tok, hk, splits)
     launch_args, flags = feature_args(kv_scale, soft_cap, scale, k_cache.shape[0], kv_lens)
