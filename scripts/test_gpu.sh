@@ -12,7 +12,8 @@
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
 #   bash scripts/test_gpu.sh usergraph   # svc.decode_graph: a model's decode forward in one CUDA graph (1 and 2 GPUs)
 #   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows, soft caps, sinks per backend vs float64 (not
-#                                        # FlashInfer's: those run in the flashinfer part) (speed goals: python benchmarks/triton_decode_sweep.py --goals-only)
+#                                        # FlashInfer's: those run in the flashinfer part); speed goals:
+#                                        # python benchmarks/triton_decode_sweep.py --goals-only
 #   bash scripts/test_gpu.sh prefill     # prefill FLASH_ATTN beside decode TRITON on 1 and 2 GPUs vs float64, the
 #                                        # prefill's per-rank wire on 2 GPUs (auto vs broadcast), and
 #                                        # the long-context job's GPU check (its prefill on FLASH_ATTN by default)
@@ -40,7 +41,7 @@ case "$part" in
   prefill) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_prefill_backend_gpu.py \
              tests/gpu/test_wire_select_gpu.py tests/gpu/test_long_context_job_gpu.py "$@" ;;
   flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
-  *) echo "usage: bash scripts/test_gpu.sh {kernels|variants|service|steady|dataplane|usergraph|prefill|flashinfer|features}" \
-          "[pytest args]" >&2
+  *) echo "usage: bash scripts/test_gpu.sh" \
+          "{kernels|variants|service|steady|dataplane|usergraph|prefill|flashinfer|features} [pytest args]" >&2
      exit 1 ;;
 esac

@@ -71,7 +71,9 @@ class StepRun:
         self.recoveries = 0
         self.timings = {"plan_s": 0.0, "begin_s": 0.0, "data_plane_s": 0.0, "sent_bytes": 0, "begin_parts": {}}
         """Seconds; ``begin_parts``: begin_s by phase (claim, flush, begin, and the host's parts of begin); ``end_s``
-        (once ended): the caller's wall time in end() (the device waited for, the commit sent or waited for)."""
+        (once ended): the caller's wall time in end() (the device waited for, the commit sent or waited for);
+        ``sent_bytes``: wire bytes; ``commit_replays``: times a commit read later (async) found a shard loss and
+        replayed this step (a count kept here because that commit holds this dict, not this StepRun)."""
 
     # Opening ----------------------------------------------------------------------------------------------------
     def open(self) -> None:
