@@ -23,20 +23,22 @@ operand registers, with no shared memory and no barrier in the key loop:
   end; the splits merge as the Triton kernels' do (merge_attn_states_triton), or the block writes the rows directly.
   240 registers a thread: 2 blocks (8 warps) per SM.
 
-Measured (2026-12-02, nvidia-h200, benchmarks/fp8_cuda_probe.py, CUDA graph replay): 1M keys B=1 0.770 ms against
-bf16's 1.028 (0.75x; session 13's copies 0.782; the Triton heads kernel 0.856), B=64 x 32K 0.73x, rel 3-5e-2 vs
-float64 (the cache's own error);
-adopted in triton_decode.CONFIG_OVERRIDES["fp8"]. Issue 22's 0.6x is still missed: 2.75 TB/s against bf16's 4.2, and
-neither halving the P.V mma (O^T, below), nor more tiles in flight, nor more splits moved it (benchmarks/RESULTS.md).
+Measured (2026-12-02, nvidia-h200, benchmarks/fp8_cuda_probe.py, CUDA graph replay): 1M keys B=1 0.549 ms against
+bf16's 1.018 (0.54x; before cuda_v_swizzle 0.770; the Triton heads kernel 0.856), B=64 x 32K 0.53x, 4,096 keys 0.51x
+(with fill_splits), rel 3-5e-2 vs float64 (the cache's own error); adopted in triton_decode.CONFIG_OVERRIDES["fp8"],
+which meets issue 22's 0.6x (benchmarks/RESULTS.md "Session 15").
 - P.V's orientation: O^T = V^T P^T puts dims on the mma's rows (no padded rows) and takes P as the B operand
   straight from the q.K accumulators; O = P V (heads on the rows, 12 of 16 padded at G = 4, 0.787 ms) is in git.
-- Not yet measured (off): cuda_heads_per_block (a block's 4 warps take 4 kv heads over one split: 512 contiguous
-  bytes per key instead of 128, no cross-warp merge) and cuda_min_blocks 3 (168 registers, 12 warps per SM, small
-  spills); benchmarks/fp8_cuda_probe.py sweeps them.
-- Measured 2026-12-02 (session 14), Nsight Compute on one 1M-key launch: L2 is the limit (89% busy at 57% of DRAM
-  bandwidth; the bf16 Triton kernel: 79% of DRAM). V's 8 cp.async copies move twice their sectors (34% excess of
-  the kernel's), because a sector's two 16-byte halves land in shared-memory slots 64 bytes apart. cuda_v_swizzle
-  (off, compile-checked, not yet run on a GPU) lays V's chunks out so they stay adjacent (fp8_ops.cuh: v_slot).
+- Kept off (session 15, measured on the config before cuda_v_swizzle: no faster than it, 0.77-0.86 ms at 1M keys;
+  not yet measured on top of the swizzle): cuda_heads_per_block (a block's 4 warps take 4 kv
+  heads over one split: 512 contiguous bytes per key instead of 128, no cross-warp merge), cuda_min_blocks 3 (168
+  registers, 12 warps per SM, small spills) and cuda_stages 3; benchmarks/fp8_cuda_probe.py sweeps them.
+- cuda_v_swizzle (adopted, session 15: 0.769 -> 0.551 ms at 1M keys): Nsight Compute on one 1M-key launch had
+  found L2 the limit (89% busy at 57% of DRAM bandwidth; the bf16 Triton kernel: 79% of DRAM), V's 8 cp.async
+  copies moving twice their sectors because a sector's two 16-byte halves landed in shared-memory slots 64 bytes
+  apart; V's chunks are now laid out key-major and swizzled so they stay adjacent (fp8_ops.cuh: v_slot).
+- fill_splits (adopted): at short contexts (4,096 keys) launch_splits doubles the splits where the plan's key floor
+  per split left the GPU under half full (0.0168 -> 0.0108 ms with cuda_v_swizzle).
 - Stages (cuda_stages, 2 adopted): each lane copies its own K and V chunks by cp.async into its warp's ring in shared
   memory, that many tiles deep, and reads back only what it copied; the page ids are loaded one tile earlier.
 
