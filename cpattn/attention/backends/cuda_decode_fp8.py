@@ -29,8 +29,8 @@ bf16's 1.018 (0.54x; before cuda_v_swizzle 0.770; the Triton heads kernel 0.856)
 which meets issue 22's 0.6x (benchmarks/RESULTS.md "Session 15").
 - P.V's orientation: O^T = V^T P^T puts dims on the mma's rows (no padded rows) and takes P as the B operand
   straight from the q.K accumulators; O = P V (heads on the rows, 12 of 16 padded at G = 4, 0.787 ms) is in git.
-- Kept off (session 15, measured on the config before cuda_v_swizzle: no faster than it, 0.77-0.86 ms at 1M keys;
-  not yet measured on top of the swizzle): cuda_heads_per_block (a block's 4 warps take 4 kv
+- Kept off (session 16, each on top of the adopted config, 1M keys: 0.551-0.718 ms against its 0.547; at B=64
+  heads_per_block is 3% faster, at 4,096 keys split_factor 2 is 11%: no clear win everywhere): cuda_heads_per_block (a block's 4 warps take 4 kv
   heads over one split: 512 contiguous bytes per key instead of 128, no cross-warp merge), cuda_min_blocks 3 (168
   registers, 12 warps per SM, small spills) and cuda_stages 3; benchmarks/fp8_cuda_probe.py sweeps them.
 - cuda_v_swizzle (adopted, session 15: 0.769 -> 0.551 ms at 1M keys): Nsight Compute on one 1M-key launch had
