@@ -144,7 +144,6 @@ class DecodeGraph:
             return "captured"
 
     def _replay(self, step) -> None:
-        self.layers.prepare(step._run.wire)
         self.graph.replay()
         step._run.graph_replayed()
 

@@ -347,7 +347,6 @@ def test_a_recording_fits_only_the_buffers_it_read():
     wire = SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g)})
     gw = SimpleNamespace(config=SimpleNamespace(nan_policy="reject", num_layers=3), device=torch.device("cpu"))
     rec = CapturedLayers(gw, wire)
-    assert rec.norms is None   # the client graphs keep the NaN norms over NCCL
     assert rec.matches(SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g)}))
     c.key = (2, (), (1,))   # an equal key, another tuple: still the same bucket
     assert rec.matches(wire)
@@ -357,20 +356,16 @@ def test_a_recording_fits_only_the_buffers_it_read():
     assert not rec.matches(SimpleNamespace(graphs=c, local={0: SimpleNamespace(graphs=g2)}))
     assert not rec.matches(SimpleNamespace(graphs=c2, local={0: SimpleNamespace(graphs=g)}))
     assert not rec.matches(SimpleNamespace(graphs=c, local={}))
-    solo = CapturedLayers(gw, SimpleNamespace(graphs=None, local={0: SimpleNamespace(graphs=g)}))
-    assert solo.norms is not None and solo.norms.shape == (3,)   # every shard in this process: its own norms
-    target = SimpleNamespace(norms=None)
-    solo.norms.fill_(7.0)
-    solo.prepare(target)
-    assert target.norms is solo.norms and not solo.norms.any()
 
 
 def test_recorded_layer_work_on_fakes():
-    """CapturedLayers.record's two paths run on the CPU with fakes of the service's graphs: in-process shards (q|k|v
-    into each shard's buffers, the NaN norm, their partials merged by LSE) and the client's NCCL layer."""
+    """CapturedLayers.record runs the client's layer (ClientLayerGraphs._layer) on the CPU, every shard in this
+    process as fakes of their graphs: q|k|v into the client's then each shard's buffers, the NaN norm of the layer,
+    the shards' partials merged by LSE into one softmax over both."""
+    from cpattn.cluster.client_graphs import ClientLayerGraphs
     from cpattn.cluster.user_graphs import CapturedLayers
 
-    t, hq, hk, d = 2, 4, 2, 8
+    t, hq, hk, d, num_layers = 2, 4, 2, 8, 2
     keys = torch.randn(2, 5, hk, d)   # shard s holds keys[s] (its values are its keys, for brevity)
 
     def attention(q, kk):   # out and natural-log lse of q over keys kk [L, Hk, D], no mask
@@ -388,19 +383,19 @@ def test_recorded_layer_work_on_fakes():
             return attention(self.q, keys[self.s])
 
     graphs = [FakeShardGraphs(0), FakeShardGraphs(1)]
-    wire = SimpleNamespace(graphs=None, local={s: SimpleNamespace(graphs=g) for s, g in enumerate(graphs)})
-    gw = SimpleNamespace(config=SimpleNamespace(nan_policy="reject", num_layers=2), device=torch.device("cpu"))
+    cfg = SimpleNamespace(nan_policy="reject", num_layers=num_layers, num_q_heads=hq, num_kv_heads=hk, head_size=d,
+                          torch_dtype=torch.float32, cuda_graphs="auto")
+    gw = SimpleNamespace(config=cfg, device=torch.device("cpu"), plane=None, remote=[], local={0: None, 1: None})
+    assert not ClientLayerGraphs.supported(gw)   # a CPU client: nothing to capture
+    wire = SimpleNamespace(num_tokens=t, remote_rows={},
+                           local={s: SimpleNamespace(graphs=g) for s, g in enumerate(graphs)})
+    client = ClientLayerGraphs(gw)
+    client.make_buffers(wire)
+    wire.graphs = client
     rec = CapturedLayers(gw, wire)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
     out = rec.record(1, q, k, v)
     assert torch.allclose(out, attention(q, torch.cat(list(keys)))[0], atol=1e-5)   # one softmax over both shards
     assert all(torch.equal(g.q, q) and torch.equal(g.k, k) and torch.equal(g.v, v) for g in graphs)
-    assert rec.norms[1] == torch.cat([q, k, v], dim=1).abs().max() and rec.norms[0] == 0
-
-    client = SimpleNamespace(key=(t,), message=torch.zeros(1), headers=None, tags=None, norms=None, flags=None,
-                             recv={}, qkv=torch.zeros(t, hq + 2 * hk, d))
-    client.q, client.k, client.v = client.qkv.split([hq, hk, hk], dim=1)
-    client._layer = lambda layer, w: (layer, w, client.qkv.clone())
-    nccl = CapturedLayers(gw, SimpleNamespace(graphs=client, local={}))
-    layer, seen_wire, qkv = nccl.record(0, q, k, v)
-    assert layer == 0 and seen_wire is nccl.wire and torch.equal(qkv, torch.cat([q, k, v], dim=1))
+    assert client.norms[1] == torch.cat([q, k, v], dim=1).abs().max() and client.norms[0] == 0
+    assert not client.headers[:, 2].any() and not client.message[:8].any()   # no remote shard: no header written

@@ -1,19 +1,22 @@
-"""CUDA graphs of the client's whole decode layer over NCCL: one replay instead of ~20 launches from Python.
+"""CUDA graphs of the client's whole decode layer: one replay instead of ~5-20 launches from Python.
 
 Legend: T tokens (= requests: a decode-only step), X = Q + 2 K packed heads, D head size, L layers.
-A decode layer on the client, with its remote shards reached over NCCL and its in-process shards graphed
-(cluster.decode_graphs), is: the layer's header and q|k|v broadcast, the NaN check, the in-process shards'
-KV write and attention, each remote shard's partial received, the merge. Launched from Python this cost
+A decode layer on the client, its in-process shards graphed (cluster.decode_graphs) and its remote shards (if any)
+reached over NCCL, is: the layer's header and q|k|v broadcast (remote shards only), the NaN check, the in-process
+shards' KV write and attention, each remote shard's partial received, the merge. Launched from Python this cost
 ~0.45 ms of host time per layer (eager NCCL calls ~50-150 us each) against ~0.15 ms of kernels at 128K on
-2 H200s, so two GPUs decoded slower than one. Captured once per bucket (T, the in-process graphs' buckets,
-the remote ranks), one graph per layer, replayed per layer after q|k|v are copied into the message buffer.
+2 H200s, so two GPUs decoded slower than one. With every shard in this process it was still five launches and
+an allocation per layer (q|k|v packed, its NaN norm, q|k|v copied again into the shard's graph, the replay, the
+output copied out): ~0.08 ms of host time against a windowed layer's 0.03 ms kernel on one H200. Captured once
+per bucket (T, the in-process graphs' buckets, the remote ranks), one graph per layer, replayed per layer after
+q|k|v are copied into the message buffer.
 
 NCCL operations inside a graph run in the order captured, exactly as the eager ones (the shards, which run
 their layers ahead eagerly, cannot tell). Everything a step changes lives on the device and is set once per
-step: the headers' step id, the partials' expected tags, zeroed NaN norms and broken flags. The first step
-of a bucket runs eagerly (kernel JIT and NCCL's point-to-point communicators are created outside a capture).
-Anything that cannot be captured turns the graphs off for this client with a warning; the layer then runs
-eagerly as before.
+step: the headers' step id, the partials' expected tags and broken flags (remote shards only).
+The first step of a bucket runs eagerly (kernel JIT and NCCL's point-to-point communicators are created outside
+a capture). Anything that cannot be captured turns the graphs off for this client with a warning; the layer then
+runs eagerly as before.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ class ClientLayerGraphs:
 
     @staticmethod
     def supported(gateway) -> bool:
+        """A CUDA client with graphs on, whose remote shards are reached over NCCL (gloo shards read a header per
+        layer on the host), or with every shard in this process."""
+        if gateway.config.cuda_graphs != "auto" or gateway.device.type != "cuda":
+            return False
         plane = gateway.plane
-        return (gateway.config.cuda_graphs == "auto" and gateway.device.type == "cuda" and plane is not None
-                and plane.backend == "nccl")
+        return plane.backend == "nccl" if plane is not None else bool(gateway.local)
 
     def prepare(self, wire) -> bool:
         """Ready this step's graphs (capturing a warm bucket once); False when the step runs eagerly."""
@@ -66,10 +72,12 @@ class ClientLayerGraphs:
                 logger.warning("client CUDA graphs off (%s); decode layers run eagerly", exc)
                 self.disabled, self.key, self.graphs, self.outputs = True, None, [], []
                 return False
-        self.headers[:, 2].fill_(wire.step_id)
-        torch.add(self.layer_ids, wire.step_id * 65536 + 1, out=self.tags)   # data_plane.partial_tag per layer
-        self.norms.zero_()
-        self.flags.zero_()
+        if self.gw.plane is not None:   # with remote shards: what the headers say and the partials must carry
+            self.headers[:, 2].fill_(wire.step_id)
+            torch.add(self.layer_ids, wire.step_id * 65536 + 1, out=self.tags)   # data_plane.partial_tag per layer
+            self.flags.zero_()   # a layer run eagerly (sinks) leaves its flags unwritten
+        # The NaN norms are not zeroed (a launch, 10-30 us on a GPU host): every attended layer writes its own entry,
+        # replayed or eager (wire_select.post_layer), and they are read only once every layer was (step_run._finish).
         return True
 
     def run(self, layer: int, q_TQD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
@@ -87,9 +95,11 @@ class ClientLayerGraphs:
     # Capture --------------------------------------------------------------------------------------
     def _layer(self, layer: int, wire) -> torch.Tensor:
         gw = self.gw
-        self.message[:HEADER_BYTES].view(torch.int64).copy_(self.headers[layer])
+        if gw.plane is not None:
+            self.message[:HEADER_BYTES].view(torch.int64).copy_(self.headers[layer])
         torch.linalg.vector_norm(self.qkv, float("inf"), dtype=torch.float32, out=self.norms[layer])
-        gw.plane.broadcast(self.message)
+        if gw.plane is not None:
+            gw.plane.broadcast(self.message)
         outs, lses = [], []
         for r, step in sorted(wire.local.items()):
             graphs = step.graphs
@@ -110,10 +120,19 @@ class ClientLayerGraphs:
         return merge_partials(torch.stack(outs), torch.stack(lses))[0]
 
     def _capture(self, wire, key: tuple) -> None:
+        self.graphs, self.outputs, self.key = [], [], None
+        self.make_buffers(wire)
+        self.graphs, self.outputs = capture_graphs(self.gw.device, self.gw.config.num_layers,
+                                                   lambda layer: self._layer(layer, wire))
+        self.key = key
+        logger.info("captured %d client decode graphs for bucket %s", len(self.graphs), key)
+
+    def make_buffers(self, wire) -> None:
+        """The buffers the graphs of ``wire``'s bucket read and write (``_layer`` runs from them; so does a CPU
+        test, without capture)."""
         gw, cfg = self.gw, self.gw.config
         from cpattn.cluster.layer_runner import lse_wire_dtype
 
-        self.graphs, self.outputs, self.key = [], [], None
         t, device, dtype = wire.num_tokens, gw.device, cfg.torch_dtype
         hq, hk, d, num_layers = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size, cfg.num_layers
         itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -132,9 +151,6 @@ class ClientLayerGraphs:
         lse_bytes = t * hq * torch.empty(0, dtype=self.lse_dtype).element_size()
         self.recv = {r: torch.zeros(self.out_bytes + lse_bytes + TAG_BYTES, dtype=torch.uint8, device=device)
                      for r in wire.remote_rows}
-        self.graphs, self.outputs = capture_graphs(device, num_layers, lambda layer: self._layer(layer, wire))
-        self.key = key
-        logger.info("captured %d client decode graphs for bucket %s", len(self.graphs), key)
 
 
 def use_client_graphs(graphs: ClientLayerGraphs | None, wire, norms: torch.Tensor | None) -> None:

@@ -2,15 +2,14 @@
 
 Runs in: the client. Legend: T tokens (= sequences: a decode-only step), L layers.
 A model that captures its whole decode forward in one graph (as vLLM does) records each layer's attend here:
-the very operations the service's own graphs replay, on their buffers: the client's layer over NCCL
-(cluster.client_graphs.ClientLayerGraphs._layer: header and q|k|v broadcast, NaN norm, in-process shards' KV
-write and attention, the remote partials' receives, the merge) or, with every shard in this process, the
-in-process shards' layers (cluster.decode_graphs.DecodeGraphs._layer) and their merge. Nothing new runs on
-the device; only the q|k|v copies move from outside the graph (ClientLayerGraphs.run) into it.
+the very operations the service's own graphs replay, on their buffers: the client's layer
+(cluster.client_graphs.ClientLayerGraphs._layer: header and q|k|v broadcast where shards are remote, NaN norm,
+in-process shards' KV write and attention, the remote partials' receives, the merge). Nothing new runs on the
+device; only the q|k|v copies move from outside the graph (ClientLayerGraphs.run) into it.
 
 Per step everything the recorded work reads is refilled by the step's begin, outside the graph: the in-process
 shards' slots, block tables and key counts (DecodeGraphs.prepare), the headers' step id, the partials'
-expected tags, zeroed norms and flags (ClientLayerGraphs.prepare); the remote shards replay their own step
+expected tags and flags (ClientLayerGraphs.prepare); the remote shards replay their own step
 graph (cluster.shard_graphs) or serve the layers eagerly, with the same NCCL operations in the same order.
 A recorded step is valid while those buffers are the same objects: ``matches`` checks that at each replay
 (a new bucket, a rejoin or a recapture of the service's graphs replaces them, and the user's graph is
@@ -19,12 +18,9 @@ captured again). The recorded buffers are held here, so their addresses are neve
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from cpattn.attention import AttentionCGSupport
-from cpattn.attention.ops.merge import merge_partials
 from cpattn.attention.selector import chosen_backend_class
 from cpattn.kvstore.fp8 import is_fp8
 
@@ -74,38 +70,26 @@ def capture_refusals(config, device: torch.device, backend_names: list[str | Non
 def capturable(gateway, wire) -> bool:
     """Whether this begun step's client work is the service's graphed decode layer (else it runs eagerly:
     the first step of a bucket, copy on write, shared-prefix passes, row subsets)."""
-    if gateway.device.type != "cuda" or (gateway.plane is None and not wire.local):
-        return False
-    if gateway.plane is not None:
-        return wire.graphs is not None   # ClientLayerGraphs.prepare checked the in-process shards too
-    return all(s.graphs is not None and s.copies is None and s.prefix_pass is None and s.rows is None
-               for s in wire.local.values())
+    return gateway.device.type == "cuda" and wire.graphs is not None   # ClientLayerGraphs.prepare checked them
 
 
 class CapturedLayers:
-    """The buffers one recording reads; ``record`` per layer inside the capture, ``matches`` and ``prepare``
-    per replayed step, outside it."""
+    """The buffers one recording reads; ``record`` per layer inside the capture, ``matches`` per replayed step,
+    outside it."""
 
     def __init__(self, gateway, wire):
-        cfg = gateway.config
         self.gw = gateway
         self.wire = wire            # the capture step's: ClientLayerGraphs._layer walks its shards
-        self.client = wire.graphs   # ClientLayerGraphs (NCCL) or None (every shard in this process)
-        self.locals = [(r, s.graphs) for r, s in sorted(wire.local.items())]
-        self.norms = None
-        if self.client is None and cfg.nan_policy == "reject":   # the client graphs keep their own
-            self.norms = torch.zeros(cfg.num_layers, dtype=torch.float32, device=gateway.device)
+        self.client = wire.graphs   # its ClientLayerGraphs (their NaN norms are zeroed by their prepare per step)
         self.held = self._buffers(wire)
 
     @staticmethod
     def _buffers(wire) -> list:
         """Every object whose addresses the recorded work reads, with the keys that fixed their shapes."""
-        held = []
         c = wire.graphs
-        if c is not None:
-            held += [c, c.key, c.message, c.headers, c.tags, c.norms, c.flags]
-            for r, buf in sorted(c.recv.items()):
-                held += [r, buf]
+        held = [c, c.key, c.message, c.headers, c.tags, c.norms, c.flags]
+        for r, buf in sorted(c.recv.items()):
+            held += [r, buf]
         for r, s in sorted(wire.local.items()):
             g = s.graphs
             held += [r, g, g.key, g.static, g.qkv, g.replica, getattr(g, "written", None)]
@@ -117,31 +101,11 @@ class CapturedLayers:
         return len(now) == len(self.held) and all(
             a is b or (type(a) is type(b) and isinstance(a, (int, tuple)) and a == b) for a, b in zip(self.held, now))
 
-    def prepare(self, wire) -> None:
-        """Per replayed step, before the replay: the NaN norms zeroed and read by the step's end."""
-        if self.norms is not None:
-            self.norms.zero_()
-            wire.norms = self.norms
-
     def record(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's client work, inside the user's capture: out [T, Q, D] in the graph's memory pool."""
         c = self.client
-        if c is not None:
-            c.q.copy_(q)
-            c.k.copy_(k)
-            c.v.copy_(v)
-            return c._layer(layer, self.wire)
-        outs, lses = [], []
-        for i, (_, graphs) in enumerate(self.locals):
-            graphs.q.copy_(q)
-            graphs.k.copy_(k)
-            graphs.v.copy_(v)
-            if i == 0 and self.norms is not None:
-                torch.linalg.vector_norm(graphs.qkv, math.inf, dtype=torch.float32, out=self.norms[layer])
-            out, lse = graphs._layer(layer)
-            outs.append(out)
-            lses.append(lse)
-        if len(outs) == 1:
-            return outs[0]
-        return merge_partials(torch.stack(outs), torch.stack(lses))[0]
+        c.q.copy_(q)
+        c.k.copy_(k)
+        c.v.copy_(v)
+        return c._layer(layer, self.wire)
 

@@ -1,5 +1,6 @@
-"""The client's graphed decode layer (cluster.client_graphs) over NCCL on two GPUs: every output vs the float64
-oracle, through decode runs, batch changes (a new bucket), a step left mid-way, and NaN input rejected."""
+"""The client's graphed decode layer (cluster.client_graphs) over NCCL on two GPUs, and with every shard in the
+client's process on one GPU: every output vs the float64 oracle, through decode runs, batch changes (a new bucket),
+a step left mid-way, and NaN input rejected."""
 
 from __future__ import annotations
 
@@ -13,10 +14,57 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from test_data_plane_gpu import _checked_step, _config  # noqa: E402
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
+@pytest.mark.parametrize("shards, interleave", [(1, 1), (3, 16)])
+def test_in_process_client_layers_replay_one_graph_each(ray_session, shards, interleave):
+    """Every shard on the client's GPU (no data plane): each decode layer is one replay of the client's graph (the
+    NaN norm, each shard's KV write and attention, their merge), against the float64 oracle; a bucket change, a
+    step left mid-way, NaN rejected and a layer with sinks (eager, beside the graphs) keep every output exact."""
+    import cpattn
+    from cpattn.errors import InvalidRequestError
+    from service_oracle import Oracle
+
+    cfg = _config(num_shards=shards, num_gpus_per_shard=0.25, backend="TRITON", num_layers=4,
+                  dcp_interleave=interleave)
+    svc = cpattn.start(cfg)
+    try:
+        gw = svc.gateway
+        assert gw.plane is None and len(gw.local) == shards and gw.client_graphs is not None
+        oracle = Oracle(cfg, seed=29 + shards)
+        a, b = svc.add_sequence(), svc.add_sequence()
+        _checked_step(svc, cfg, oracle, {a: 300, b: 40})
+        replayed, run = [], gw.client_graphs.run
+        gw.client_graphs.run = lambda layer, *qkv: (replayed.append(layer), run(layer, *qkv))[1]
+        for _ in range(6):   # the first decode step of the bucket is eager; the next ones replay
+            _checked_step(svc, cfg, oracle, {a: 1, b: 1})
+        assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == 2, gw.client_graphs.key
+        assert len(replayed) >= 4 * cfg.num_layers, replayed
+        for _ in range(4):   # another batch size: another bucket
+            _checked_step(svc, cfg, oracle, {a: 1})
+        assert gw.client_graphs.key[0] == 1
+        q, k, v = (x.cuda() for x in oracle.random_qkv(1))
+        with pytest.raises(RuntimeError, match="caller stopped"):
+            with svc.step({a: 1}) as step:
+                step.attend(0, q, k, v)
+                raise RuntimeError("caller stopped")
+        with pytest.raises(InvalidRequestError, match="NaN or inf"):
+            with svc.step({a: 1}) as step:
+                for layer in range(cfg.num_layers):
+                    step.attend(layer, q * float("nan") if layer == 2 else q, k, v)
+        oracle.sinks = {layer: torch.randn(cfg.num_q_heads, dtype=torch.float32) for layer in range(cfg.num_layers)}
+        _checked_step(svc, cfg, oracle, {a: 1, b: 1}, sinks=True)   # sinks enter in the eager merge beside the graphs
+        oracle.sinks = {}
+        for _ in range(3):
+            _checked_step(svc, cfg, oracle, {a: 1})
+        assert svc.sequences() == {a: oracle.length(a), b: oracle.length(b)}
+    finally:
+        svc.shutdown()
+
+
+@two_gpus
 def test_graphed_client_layers_match_float64(ray_session):
     import cpattn
     from cpattn.errors import InvalidRequestError
@@ -58,6 +106,7 @@ def test_graphed_client_layers_match_float64(ray_session):
         svc.shutdown()
 
 
+@two_gpus
 def test_forks_decode_graphed_with_their_prefix_read_once(ray_session):
     """Forks of one document on two GPUs (TRITON): their decode steps take the cascade split (a prefix pass per
     layer) and still replay the client's and the remote shard's graphs; every output vs the float64 oracle."""

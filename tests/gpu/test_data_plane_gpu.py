@@ -35,14 +35,16 @@ def _config(**overrides):
     return service_config(**base)
 
 
-def _checked_step(svc, cfg, oracle, request: dict[str, int]) -> float:
-    """One step of ``request``, every layer vs the float64 oracle (bf16 relative error < 1e-2); the worst."""
+def _checked_step(svc, cfg, oracle, request: dict[str, int], sinks: bool = False) -> float:
+    """One step of ``request``, every layer vs the float64 oracle (bf16 relative error < 1e-2); the worst.
+    ``sinks``: each layer's attend gets the oracle's sink logits of that layer."""
     t = sum(request.values())
     pending, worst = {}, 0.0
     with svc.step(request) as step:
         for layer in range(cfg.num_layers):
             q, k, v = oracle.random_qkv(t)
-            out = step.attend(layer, q.cuda(), k.cuda(), v.cuda())
+            extra = {"sinks": oracle.sinks[layer].cuda()} if sinks else {}
+            out = step.attend(layer, q.cuda(), k.cuda(), v.cuda(), **extra)
             assert out.is_cuda and out.dtype == torch.bfloat16
             ref, new_kv = oracle.reference(request, layer, q, k, v)
             rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
