@@ -19,7 +19,7 @@ import torch
 from cpattn.attention import AttentionSpec, LseBase, make_causal_metadata, merge_attn_states, to_natural_lse
 from cpattn.attention.backend import write_kv_cache
 from cpattn.attention.backends.torch_ref import TorchAttentionImpl, TorchMetadataBuilder
-from cpattn.kvstore.fp8 import FP8_FORMATS, PageScaleWrites, page_scales_of, quantize
+from cpattn.kvstore.fp8 import FP8_FORMATS, PageScaleWrites, fp8_format_of, page_scales_of, quantize
 from tests.gpu.batches import dcp_shards, new_token_pieces, random_batch
 
 
@@ -52,10 +52,10 @@ def to_fp8(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torc
     return cache, scales
 
 
-def spec(b, dtype, device, window, cap) -> AttentionSpec:
+def spec(b, dtype, device, window, cap, kv_cache_dtype="auto") -> AttentionSpec:
     return AttentionSpec(num_q_heads=b.q.shape[1], num_kv_heads=b.k.shape[1], head_size=b.q.shape[2], dtype=dtype,
                          block_size=b.block_size, device=str(device), sliding_windows=(window,),
-                         logits_soft_caps=(cap,))
+                         logits_soft_caps=(cap,), kv_cache_dtype=kv_cache_dtype)
 
 
 def _torch64(b, md, cache, scales, window, cap, device):
@@ -67,7 +67,7 @@ def _torch64(b, md, cache, scales, window, cap, device):
 
 
 def _backend(cls, b, md, cache, scales, window, cap, device):
-    s = spec(b, b.q.dtype, device, window, cap)
+    s = spec(b, b.q.dtype, device, window, cap, fp8_format_of(cache.dtype) or "auto")
     plan = cls.get_builder_cls()(s).build(0, md)
     extra = {} if scales is None else {"kv_scale": scales}
     out, lse = cls.get_impl_cls()(s).forward(0, b.q, b.k, b.v, cache.clone(), plan, **extra)

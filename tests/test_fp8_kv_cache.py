@@ -345,9 +345,8 @@ def test_static_scales_are_used_as_given():
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
 def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypatch):
-    """TRITON serves fp8, windows and soft caps; FLASH_ATTN serves soft caps and fp8 (pages dequantised for its
-    kernel) and says why not windows; FLASHINFER serves soft caps and says why not the other two (per-page fp8
-    scales, global-position windows); auto on CUDA then takes TRITON for them."""
+    """TRITON serves fp8, windows and soft caps; FLASH_ATTN and FLASHINFER serve soft caps and fp8 (pages dequantised
+    for their kernels) and say why not windows (global positions); auto on CUDA then takes TRITON for them."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     from cpattn.attention.backend import AttentionSelectorConfig
@@ -364,11 +363,7 @@ def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypat
         older = AttentionSelectorConfig(**{**everything.__dict__, "device_capability": (8, 0)})
         assert "fp8_e4m3 KV needs compute capability 8.9 or newer in Triton" in " | ".join(cls.validate(older))
     else:
-        if backend == "FLASHINFER":
-            assert f"fp8 KV cache (fp8_e4m3) is not served by {backend}: " in reasons
-            assert "each carry their own scales" in reasons and "use backend TRITON (CUDA) or TORCH" in reasons
-        else:
-            assert "fp8" not in reasons
+        assert "fp8" not in reasons
         assert f"sliding_window is not served by {backend}: " in reasons and "global positions" in reasons
     default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,
                                       num_q_heads=8, num_kv_heads=2, device_type="cuda", device_capability=(9, 0))

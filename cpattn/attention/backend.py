@@ -68,6 +68,8 @@ class AttentionSpec:
     """Per layer: window W (a query at p sees keys p - W < j <= p) or None; () = no layer has one."""
     logits_soft_caps: tuple[float | None, ...] = ()
     """Per layer: soft cap of the scaled logits or None; () = no layer has one."""
+    kv_cache_dtype: str = "auto"
+    """The cache's elements: "auto" (the activation dtype), "fp8_e4m3" or "fp8_e5m2" (per-page scales beside it)."""
 
     @property
     def scale(self) -> float:

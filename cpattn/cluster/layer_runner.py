@@ -88,7 +88,7 @@ class ShardLayerRunner:
             config.block_size, [b.get_supported_kernel_block_sizes() for b in both])
         spec = AttentionSpec(config.num_q_heads, config.num_kv_heads, config.head_size, self.dtype,
                              self.kernel_block_size, str(device), tuple(config.layer_windows()),
-                             tuple(config.layer_soft_caps()))
+                             tuple(config.layer_soft_caps()), self.kv_format or "auto")
         self.builder = backend_cls.get_builder_cls()(spec)
         self.impl = backend_cls.get_impl_cls()(spec)
         # Forks in one step share prefix pages: read them once (cascade). TORCH does it inside its own loop;

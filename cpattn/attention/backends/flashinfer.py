@@ -5,9 +5,15 @@ plan() once per step, run() per layer: the builder turns the block table into Fl
 table (``paged_kv_indptr / indices / last_page_len``), moves decodes (one query) before prefills
 with one permutation (``batch_split``), and plans a BatchDecode wrapper on the decode prefix and a
 BatchPrefill wrapper (causal as the metadata says; FlashInfer aligns the mask bottom-right) on the
-rest, once per soft cap some layer uses (the cap is a plan() argument). Requests with no readable key (a DCP shard that holds none of a sequence yet) are left out
-of both plans: their rows are out 0, lse -inf. The impl permutes q, runs both wrappers with
-``return_lse`` and writes the outputs back in request order.
+rest, once per soft cap some layer uses (the cap is a plan() argument). Requests with no readable key (a DCP shard
+that holds none of a sequence yet) are left out of both plans: their rows are out 0, lse -inf. The impl permutes q,
+runs both wrappers with ``return_lse`` and writes the outputs back in request order.
+
+An fp8 cache: FlashInfer's fp8 KV takes one k_scale / v_scale per call, and cpattn's pages each carry their own
+(so no tenant's values change another's), so, as FLASH_ATTN does, the step's distinct pages are dequantised per layer
+into a scratch in q's dtype (exact: kvstore.fp8.dequantize_pages) and the wrappers are planned on that scratch's
+page numbers (found once per step on the host). The price is one read of the step's fp8 pages and one write in q's
+dtype per layer: small beside a prefill's attention, not beside a decode's (TRITON reads fp8 pages itself).
 
 FlashInfer reports LSE in base 2 (log2 sum 2^(s log2 e)), measured on an H200 with 0.7.2.
 flashinfer is imported lazily: the module imports on machines without it.
@@ -28,6 +34,7 @@ from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
 from cpattn.kvstore import block_table_to_csr
+from cpattn.kvstore.fp8 import dequantize_pages, is_fp8
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 _workspaces: dict[str, torch.Tensor] = {}
@@ -54,6 +61,9 @@ class FlashInferMetadata:
     """Soft cap (None = none) -> the decode wrapper planned with it, for every cap some layer uses; {} = none."""
     prefill_wrapper: dict
     """Soft cap -> the prefill wrapper planned with it; {} = no prefill."""
+    fp8_pages: torch.Tensor | None = None
+    """An fp8 cache: (U,) int64, device, the step's distinct pages in the order the plans number them (page u of
+    the layer's dequantised scratch is cache page fp8_pages[u]); None otherwise."""
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
@@ -103,9 +113,19 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(num_pages, 0)
         last_page_len = (lens - 1) % ps + 1
-        table = common.block_table_tensor.to(dev, non_blocking=True)[req_order.to(dev)]
-        _, indices, _ = block_table_to_csr(table, lens.to(dev), ps)
-        indices = indices.to(torch.int32)
+        fp8_pages = None
+        if is_fp8(spec.kv_cache_dtype):   # the plans read the scratch's pages 0..U-1: renumbered on the host
+            table = common.block_table_tensor
+            table = table if table.device.type == "cpu" else common.block_table_cpu if (
+                common.block_table_cpu is not None) else table.cpu()
+            _, pages_read, _ = block_table_to_csr(table.to(torch.int64)[req_order], lens, ps)
+            pages, renumbered = torch.unique(pages_read, return_inverse=True)
+            fp8_pages = pages.to(dev, non_blocking=True)
+            indices = renumbered.to(torch.int32).to(dev, non_blocking=True)
+        else:
+            table = common.block_table_tensor.to(dev, non_blocking=True)[req_order.to(dev)]
+            _, indices, _ = block_table_to_csr(table, lens.to(dev), ps)
+            indices = indices.to(torch.int32)
         i32 = torch.int32
 
         nd, ndt = split.num_decodes, split.num_decode_tokens
@@ -129,13 +149,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             token_order=None if identity else token_order.to(dev, non_blocking=True),
             num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens,
-            decode_wrapper=decodes, prefill_wrapper=prefills)
+            decode_wrapper=decodes, prefill_wrapper=prefills, fp8_pages=fp8_pages)
 
 
 class FlashInferImpl(AttentionImpl):
-    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata):
+    def forward(self, layer, q_TQD, k_TKD, v_TKD, kv_cache, attn_metadata, kv_scale=None):
+        """``kv_scale`` [2, pages, Hk]: an fp8 cache's per-page scales; the step's pages are read dequantised (the
+        module's docstring says why)."""
         md: FlashInferMetadata = attn_metadata
-        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping)
+        write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping, kv_scale)
+        if kv_scale is not None:
+            kv_cache = dequantize_pages(kv_cache, kv_scale, md.fp8_pages, q_TQD.dtype)
         paged = (kv_cache[0], kv_cache[1])
         q = q_TQD if md.token_order is None else q_TQD.index_select(0, md.token_order)
         ndt = md.num_decode_tokens
@@ -188,8 +212,8 @@ class FlashInferBackend(AttentionBackend):
     supports_pcp = True
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     supports_logits_soft_cap = True          # plan(logits_soft_cap=): one plan per cap some layer uses
-    fp8_unsupported_why = ("is not served by FLASHINFER: its fp8 KV takes one k_scale / v_scale per call, and "
-                           "cpattn's fp8 pages each carry their own scales (so no tenant can change another's)")
+    # fp8 pages are dequantised per layer into a scratch the wrappers read (the module's docstring says why).
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
     sliding_window_unsupported_why = (
         "is not served by FLASHINFER: its window_left is one key count per plan, and a window on global "
         "positions covers a different number of a DCP shard's interleaved local keys for every query")

@@ -1,0 +1,121 @@
+"""The FLASHINFER backend's own work on the CPU, FlashInfer's two wrappers replaced by a float64 model of them.
+
+What runs here is cpattn's side: the CSR page table and its request order, decodes before prefills, the plans per
+soft cap, the rows of requests with no key, the base-2 LSE, and an fp8 cache's pages dequantised into a scratch the
+plans address by renumbered page ids. The model checks what FlashInfer requires of its inputs (the cache's dtype is
+the planned kv_data_type, every page id lies inside the cache handed to run) and computes what its kernels define:
+each request's paged keys, causal bottom-right for prefills, ``logits_soft_cap`` on the scaled logits, LSE in base
+2. Against the TORCH backend in float64 on the same values (``same``) and exact float64 attention before fp8
+rounding (``exact``), single rank and DCP shards (tests/kernel_feature_cases.run_case). The kernels themselves are
+checked on the GPU (tests/gpu/test_backend_features_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.kernel_feature_cases import outlier_batch, rel, run_case
+
+MIXED = ([1, 7, 1, 33, 5, 1, 30], [40, 0, 500, 10, 250, 0, 300])
+EXACT_BOUND = {None: 1e-6, "fp8_e4m3": 1e-1, "fp8_e5m2": 2e-1}
+
+
+class _Wrapper:
+    """One planned FlashInfer wrapper: the page table it was planned with, then attention over it in float64."""
+
+    prefill = False
+
+    def __init__(self, workspace, kv_layout="NHD"):
+        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.plan_args = None
+
+    def _plan(self, qo_indptr, indptr, indices, last_page_len, hq, hk, d, page_size, causal, q_data_type,
+              kv_data_type, sm_scale, logits_soft_cap=None):
+        assert indices.dtype == indptr.dtype == last_page_len.dtype == torch.int32
+        self.plan_args = dict(qo=qo_indptr.long().tolist(), indptr=indptr.long().tolist(), indices=indices.long(),
+                              last=last_page_len.long().tolist(), hq=hq, hk=hk, d=d, ps=page_size, causal=causal,
+                              kv_dtype=kv_data_type, scale=sm_scale, cap=logits_soft_cap)
+
+    def run(self, q, paged, return_lse=False):
+        p = self.plan_args
+        k_cache, v_cache = paged
+        assert k_cache.dtype == v_cache.dtype == p["kv_dtype"], "the cache handed to run is not the planned dtype"
+        assert not p["indices"].numel() or int(p["indices"].max()) < k_cache.shape[0], "a planned page lies outside"
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+        for r in range(len(p["last"])):
+            pages = p["indices"][p["indptr"][r]:p["indptr"][r + 1]]
+            n = (pages.numel() - 1) * p["ps"] + p["last"][r]
+            k = k_cache[pages].reshape(-1, p["hk"], p["d"])[:n].double().repeat_interleave(p["hq"] // p["hk"], 1)
+            v = v_cache[pages].reshape(-1, p["hk"], p["d"])[:n].double().repeat_interleave(p["hq"] // p["hk"], 1)
+            q0, q1 = p["qo"][r], p["qo"][r + 1]
+            s = torch.einsum("tqd,lqd->qtl", q[q0:q1].double(), k) * p["scale"]
+            if p["cap"] is not None:
+                s = p["cap"] * torch.tanh(s / p["cap"])
+            if p["causal"]:   # bottom-right: query i of m sees keys j <= n - m + i
+                m = q1 - q0
+                s = s.masked_fill(torch.arange(n)[None, :] > (n - m + torch.arange(m))[:, None], -math.inf)
+            out[q0:q1] = torch.einsum("qtl,lqd->tqd", s.softmax(-1), v)
+            lse[q0:q1] = (s.logsumexp(-1) / math.log(2)).T   # FlashInfer's LSE is base 2
+        return out.to(q.dtype), lse.float()
+
+
+class _Decode(_Wrapper):
+    def plan(self, indptr, indices, last_page_len, hq, hk, d, page_size, **kw):
+        self._plan(torch.arange(indptr.numel()), indptr, indices, last_page_len, hq, hk, d, page_size, False, **kw)
+
+
+class _Prefill(_Wrapper):
+    def plan(self, qo_indptr, indptr, indices, last_page_len, hq, hk, d, page_size, causal, **kw):
+        self._plan(qo_indptr, indptr, indices, last_page_len, hq, hk, d, page_size, causal, **kw)
+
+
+@pytest.fixture
+def flashinfer_model(monkeypatch):
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper, fake.BatchPrefillWithPagedKVCacheWrapper = _Decode, _Prefill
+    fake.__version__ = "model"
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from cpattn.attention.backends import flashinfer
+
+    monkeypatch.setattr(flashinfer, "WORKSPACE_BYTES", 1024)
+    return flashinfer.FlashInferBackend
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("cap", [None, 5.0])
+@pytest.mark.parametrize("world, interleave", [(1, 1), (3, 1), (2, 16)])
+def test_flashinfer_backend_vs_float64(flashinfer_model, fmt, cap, world, interleave):
+    """Decodes and prefills in one step, random page placement, GQA; an fp8 cache read through its dequantised
+    pages; DCP shards (one with no key of some requests) merged by LSE after the base-2 conversion."""
+    seed = int(torch.randint(1 << 30, ()))
+    b = outlier_batch(*MIXED, 8, 2, 16, 16, torch.float32, "cpu", seed=seed)
+    (out, lse), (same, same_lse), (exact, _) = run_case(flashinfer_model, b, None, cap, fmt, "cpu", world,
+                                                         interleave)
+    what = f"fmt={fmt} cap={cap} world={world} I={interleave} seed={seed}"
+    assert torch.equal(lse.isinf(), same_lse.isinf()), what
+    assert rel(out, same) < 1e-5, f"{what}: vs the same values {rel(out, same):.2e}"
+    assert rel(lse.masked_fill(lse.isinf(), 0), same_lse.masked_fill(same_lse.isinf(), 0)) < 1e-5, what
+    assert rel(out, exact) < EXACT_BOUND[fmt], f"{what}: vs exact float64 {rel(out, exact):.2e}"
+
+
+def test_an_fp8_plan_addresses_only_the_pages_the_step_reads(flashinfer_model):
+    """The scratch holds the step's distinct pages once each (not the whole cache), in the plans' numbering."""
+    from tests.kernel_feature_cases import spec, to_fp8
+    from cpattn.attention import make_causal_metadata
+
+    b = outlier_batch([1, 1, 4], [40, 17, 30], 8, 2, 16, 16, torch.float32, "cpu", seed=3)
+    md = make_causal_metadata(b.query_lens, b.context_lens, b.block_table, b.block_size)
+    cache, scales = to_fp8(b.kv_cache, md.slot_mapping, b.k, b.v, "fp8_e4m3")
+    s = spec(b, torch.float32, "cpu", None, None, "fp8_e4m3")
+    plan = flashinfer_model.get_builder_cls()(s).build(0, md)
+    read = sorted({int(x) for row, n in zip(b.block_table.tolist(), [41, 18, 34]) for x in row[:-(-n // 16)]})
+    assert plan.fp8_pages.tolist() == read and len(read) < cache.shape[1]
+    for wrapper in (*plan.decode_wrapper.values(), *plan.prefill_wrapper.values()):
+        assert wrapper.plan_args["kv_dtype"] == torch.float32
+        assert set(wrapper.plan_args["indices"].tolist()) <= set(range(len(read)))
