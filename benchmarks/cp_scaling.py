@@ -347,6 +347,9 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             "begin_ms_max": 1e3 * max(begins), "step_ms_max": 1e3 * max(walls),
             # The caller's time inside one attend call: above the kernel's time per layer, the host sets the pace
             "attend_ms_per_layer": 1e3 * statistics.fmean(t["data_plane_s"] for t in timings) / layers,
+            # The caller's time to end a step (wait for the device, the NaN flags, the commit sent): with begin and
+            # attend, what is left of step_ms is the caller's own Python between calls.
+            "end_ms_per_step": 1e3 * statistics.fmean(t.get("end_s", 0.0) for t in timings),
             # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
             "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
             "prefill_wire": svc.config.prefill_wire, "pcp_wire_flops_per_byte": svc.config.pcp_wire_flops_per_byte}

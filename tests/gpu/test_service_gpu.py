@@ -78,3 +78,32 @@ def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus
             relative_step(svc, oracle, request, bound, f"{kv} I={interleave} {gpus} GPU(s)")
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN"])
+def test_service_fp8_on_dequantised_pages(ray_session, backend, interleave):
+    """FLASHINFER and FLASH_ATTN read an fp8 cache through its pages dequantised per layer (no kernel of theirs takes
+    a scale per page): through the service on one GPU (4 shards computed in the client's process), a soft-capped
+    layer and one with sinks, PCP prefill, chunked prefill and decodes vs the float64 oracle (e4m3 rel < 1e-1)."""
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle, relative_step
+
+    why = _usable(backend, 16)
+    if why:
+        pytest.skip(why)
+    cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64,
+                         kv_cache_dtype="fp8_e4m3", logits_soft_cap=[30.0, None])
+    svc = cpattn.start(cfg)
+    try:
+        assert {s["backend"] for s in svc.info()["shards"]} == {backend}
+        oracle = Oracle(cfg, seed=11)
+        oracle.sinks = {1: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
+        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
+        for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
+            relative_step(svc, oracle, request, 1e-1, f"{backend} fp8_e4m3 I={interleave}")
+    finally:
+        svc.shutdown()
