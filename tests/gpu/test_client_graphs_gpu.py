@@ -18,13 +18,31 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
+def _new_bucket_a_stopped_step_and_nan(svc, cfg, oracle, a):
+    """Decodes of ``a`` alone (another batch size: another bucket), a step the caller leaves mid-way, and a step
+    whose q holds NaN in one layer (rejected, rolled back): each leaves the cache as the oracle has it."""
+    from cpattn.errors import InvalidRequestError
+
+    for _ in range(4):
+        _checked_step(svc, cfg, oracle, {a: 1})
+    assert svc.gateway.client_graphs.key[0] == 1
+    q, k, v = (x.cuda() for x in oracle.random_qkv(1))
+    with pytest.raises(RuntimeError, match="caller stopped"):
+        with svc.step({a: 1}) as step:
+            step.attend(0, q, k, v)
+            raise RuntimeError("caller stopped")
+    with pytest.raises(InvalidRequestError, match="NaN or inf"):
+        with svc.step({a: 1}) as step:
+            for layer in range(cfg.num_layers):
+                step.attend(layer, q * float("nan") if layer == 2 else q, k, v)
+
+
 @pytest.mark.parametrize("shards, interleave", [(1, 1), (3, 16)])
 def test_in_process_client_layers_replay_one_graph_each(ray_session, shards, interleave):
     """Every shard on the client's GPU (no data plane): each decode layer is one replay of the client's graph (the
     NaN norm, each shard's KV write and attention, their merge), against the float64 oracle; a bucket change, a
     step left mid-way, NaN rejected and a layer with sinks (eager, beside the graphs) keep every output exact."""
     import cpattn
-    from cpattn.errors import InvalidRequestError
     from service_oracle import Oracle
 
     cfg = _config(num_shards=shards, num_gpus_per_shard=0.25, backend="TRITON", num_layers=4,
@@ -42,18 +60,7 @@ def test_in_process_client_layers_replay_one_graph_each(ray_session, shards, int
             _checked_step(svc, cfg, oracle, {a: 1, b: 1})
         assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == 2, gw.client_graphs.key
         assert len(replayed) >= 4 * cfg.num_layers, replayed
-        for _ in range(4):   # another batch size: another bucket
-            _checked_step(svc, cfg, oracle, {a: 1})
-        assert gw.client_graphs.key[0] == 1
-        q, k, v = (x.cuda() for x in oracle.random_qkv(1))
-        with pytest.raises(RuntimeError, match="caller stopped"):
-            with svc.step({a: 1}) as step:
-                step.attend(0, q, k, v)
-                raise RuntimeError("caller stopped")
-        with pytest.raises(InvalidRequestError, match="NaN or inf"):
-            with svc.step({a: 1}) as step:
-                for layer in range(cfg.num_layers):
-                    step.attend(layer, q * float("nan") if layer == 2 else q, k, v)
+        _new_bucket_a_stopped_step_and_nan(svc, cfg, oracle, a)
         oracle.sinks = {layer: torch.randn(cfg.num_q_heads, dtype=torch.float32) for layer in range(cfg.num_layers)}
         _checked_step(svc, cfg, oracle, {a: 1, b: 1}, sinks=True)   # sinks enter in the eager merge beside the graphs
         oracle.sinks = {}
@@ -67,7 +74,6 @@ def test_in_process_client_layers_replay_one_graph_each(ray_session, shards, int
 @two_gpus
 def test_graphed_client_layers_match_float64(ray_session):
     import cpattn
-    from cpattn.errors import InvalidRequestError
     from service_oracle import Oracle
 
     cfg = _config(num_shards=2, num_gpus_per_shard=1, backend="TRITON", num_layers=4)
@@ -83,18 +89,7 @@ def test_graphed_client_layers_match_float64(ray_session):
         assert gw.client_graphs.key is not None and gw.client_graphs.key[0] == 2, gw.client_graphs.key
         svc.stats()   # ends the decode run: its shards report, among others how many steps were one graph replay
         assert gw.last_step_timings.get("shard_graphed_steps", 0) >= 1, gw.last_step_timings
-        for _ in range(4):   # another batch size: another bucket
-            _checked_step(svc, cfg, oracle, {a: 1})
-        assert gw.client_graphs.key[0] == 1
-        q, k, v = (x.cuda() for x in oracle.random_qkv(1))
-        with pytest.raises(RuntimeError, match="caller stopped"):
-            with svc.step({a: 1}) as step:
-                step.attend(0, q, k, v)
-                raise RuntimeError("caller stopped")
-        with pytest.raises(InvalidRequestError, match="NaN or inf"):
-            with svc.step({a: 1}) as step:
-                for layer in range(cfg.num_layers):
-                    step.attend(layer, q * float("nan") if layer == 2 else q, k, v)
+        _new_bucket_a_stopped_step_and_nan(svc, cfg, oracle, a)
         for _ in range(3):
             _checked_step(svc, cfg, oracle, {a: 1})
         assert svc.sequences() == {a: oracle.length(a), b: oracle.length(b)}
