@@ -1,6 +1,7 @@
 """Where a decode step's host time goes: cProfile of whole steps through the public API on one GPU.
 
     python benchmarks/profile_layer.py [--context 131072] [--batch 1] [--layers 32] [--gpus 1] [--top 30]
+                                       [--window 4096] [--kv-cache-dtype fp8_e4m3]
 Prints the functions with the most own time over ``--steps`` profiled steps (after warm-up).
 """
 
@@ -22,6 +23,8 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--window", type=int, default=None, help="a sliding window on every layer")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     import cpattn
 
@@ -29,7 +32,8 @@ def main() -> int:
     cfg = cpattn.ServiceConfig(num_shards=args.gpus, num_layers=args.layers, num_q_heads=hq, num_kv_heads=hk,
                                head_size=d, block_size=16, dtype="bfloat16", backend="TRITON", device="cuda",
                                num_gpus_per_shard=1, num_blocks_per_shard=args.batch * (args.context // 16 // args.gpus + 64),
-                               name="profile-layer")
+                               name="profile-layer", sliding_window=args.window,
+                               kv_cache_dtype=args.kv_cache_dtype)
     svc = cpattn.start(cfg)
     try:
         sids = [svc.add_sequence() for _ in range(args.batch)]
