@@ -123,7 +123,8 @@ class StepRun:
         t0 = time.perf_counter()
         message = LayerMessage(q, k, v, self.host.device)   # onto the gateway's device: data-plane time too
         self.timings["data_plane_s"] += time.perf_counter() - t0
-        return self.attend_message(layer, message, sinks).to(q.device, q.dtype)
+        out = self.attend_message(layer, message, sinks)
+        return out if out.device == q.device and out.dtype == q.dtype else out.to(q.device, q.dtype)
 
     def attend_message(self, layer: int, message: LayerMessage, sinks: torch.Tensor | None) -> torch.Tensor:
         """One layer whose q|k|v are ``message``: the same message goes on the wire and into the replay."""
