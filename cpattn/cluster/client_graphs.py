@@ -157,5 +157,6 @@ def use_client_graphs(graphs: ClientLayerGraphs | None, wire, norms: torch.Tenso
     """Every layer of the step (its gateway.StepWire) replays the client's graph where ``graphs`` serves it (their
     own NaN norms then, where the step has ``norms``)."""
     if graphs is not None and graphs.prepare(wire):
-        wire.graphs, wire.broken = graphs, [graphs.flags]
+        # Broken flags come with remote partials only: reading unwritten ones costs a sync per step for nothing.
+        wire.graphs, wire.broken = graphs, [graphs.flags] if graphs.gw.plane is not None else []
         wire.norms = None if norms is None else graphs.norms
