@@ -202,9 +202,6 @@ class FakeLayers:
     def matches(self, wire):
         return wire.bucket == self.bucket
 
-    def prepare(self, wire):
-        pass
-
     def record(self, layer, q, k, v):
         return q.clone()
 

@@ -80,7 +80,7 @@ class CapturedLayers:
     def __init__(self, gateway, wire):
         self.gw = gateway
         self.wire = wire            # the capture step's: ClientLayerGraphs._layer walks its shards
-        self.client = wire.graphs   # its ClientLayerGraphs (their NaN norms are zeroed by their prepare per step)
+        self.client = wire.graphs   # its ClientLayerGraphs (every recorded layer writes its NaN norm there)
         self.held = self._buffers(wire)
 
     @staticmethod
