@@ -402,8 +402,8 @@ def test_dequantized_pages_are_the_stored_values_times_their_scales_exactly(fmt,
 
 
 def test_device_metadata_keeps_the_host_block_table_it_was_copied_from():
-    """FLASH_ATTN plans an fp8 step's distinct pages from the host table: the service hands the builder device
-    metadata (ShardLayerRunner._to_device), which must still carry that table, or the first layer syncs."""
+    """FLASH_ATTN and FLASHINFER plan an fp8 step's distinct pages from the host table: the service hands the builder
+    device metadata (ShardLayerRunner._to_device), which must still carry that table, or the first layer syncs."""
     from cpattn.attention.metadata import make_causal_metadata
 
     table = torch.tensor([[3, 1, -1], [0, 2, 4]])
@@ -412,3 +412,5 @@ def test_device_metadata_keeps_the_host_block_table_it_was_copied_from():
     assert on_device.block_table_tensor.device.type == "meta"
     assert on_device.block_table_cpu is md.block_table_tensor and on_device.to("meta").block_table_cpu is md.block_table_tensor
     assert torch.equal(on_device.block_table_cpu, table)
+    # FLASHINFER reads it through table_on_host(): the kept host table, the table itself on the CPU
+    assert on_device.table_on_host() is md.block_table_tensor and md.table_on_host() is md.block_table_tensor

@@ -59,6 +59,14 @@ class CommonAttentionMetadata(TensorsAsArrays):
         """(T,) the slot mapping on the CPU: the host copy ``to`` kept where there is one (no device sync)."""
         return self.slot_mapping if self.slot_mapping_cpu is None else self.slot_mapping_cpu
 
+    def table_on_host(self) -> torch.Tensor:
+        """(B, W) the block table on the CPU: the host copy ``to`` kept where there is one (else a copy, which
+        waits for the device)."""
+        table = self.block_table_tensor
+        if table.device.type == "cpu":
+            return table
+        return table.cpu() if self.block_table_cpu is None else self.block_table_cpu
+
     def window_key_start(self, window: int | None) -> torch.Tensor | None:
         """(T,) int64 on the CPU: the first *local* key index each query may read under a sliding window of
         ``window`` global positions (query at p sees keys p - window < j <= p); None without a window.

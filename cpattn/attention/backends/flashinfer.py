@@ -115,10 +115,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         last_page_len = (lens - 1) % ps + 1
         fp8_pages = None
         if is_fp8(spec.kv_cache_dtype):   # the plans read the scratch's pages 0..U-1: renumbered on the host
-            table = common.block_table_tensor
-            table = table if table.device.type == "cpu" else common.block_table_cpu if (
-                common.block_table_cpu is not None) else table.cpu()
-            _, pages_read, _ = block_table_to_csr(table.to(torch.int64)[req_order], lens, ps)
+            _, pages_read, _ = block_table_to_csr(common.table_on_host().to(torch.int64)[req_order], lens, ps)
             pages, renumbered = torch.unique(pages_read, return_inverse=True)
             fp8_pages = pages.to(dev, non_blocking=True)
             indices = renumbered.to(torch.int32).to(dev, non_blocking=True)
