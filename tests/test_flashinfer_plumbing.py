@@ -35,11 +35,13 @@ class _Wrapper:
         self.plan_args = None
 
     def _plan(self, qo_indptr, indptr, indices, last_page_len, hq, hk, d, page_size, causal, q_data_type,
-              kv_data_type, sm_scale, logits_soft_cap=None):
+              kv_data_type, sm_scale, logits_soft_cap=None, window_left=-1, custom_mask=None):
         assert indices.dtype == indptr.dtype == last_page_len.dtype == torch.int32
+        assert custom_mask is None or (custom_mask.dtype == torch.bool and not causal), "a custom mask is the mask"
         self.plan_args = dict(qo=qo_indptr.long().tolist(), indptr=indptr.long().tolist(), indices=indices.long(),
                               last=last_page_len.long().tolist(), hq=hq, hk=hk, d=d, ps=page_size, causal=causal,
-                              kv_dtype=kv_data_type, scale=sm_scale, cap=logits_soft_cap)
+                              kv_dtype=kv_data_type, scale=sm_scale, cap=logits_soft_cap, left=window_left,
+                              mask=custom_mask)
 
     def run(self, q, paged, return_lse=False):
         p = self.plan_args
@@ -48,6 +50,7 @@ class _Wrapper:
         assert not p["indices"].numel() or int(p["indices"].max()) < k_cache.shape[0], "a planned page lies outside"
         out = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)
+        mask_at = 0
         for r in range(len(p["last"])):
             pages = p["indices"][p["indptr"][r]:p["indptr"][r + 1]]
             n = (pages.numel() - 1) * p["ps"] + p["last"][r]
@@ -57,9 +60,15 @@ class _Wrapper:
             s = torch.einsum("tqd,lqd->qtl", q[q0:q1].double(), k) * p["scale"]
             if p["cap"] is not None:
                 s = p["cap"] * torch.tanh(s / p["cap"])
+            m, keys, rows = q1 - q0, torch.arange(n)[None, :], torch.arange(q1 - q0)[:, None]
             if p["causal"]:   # bottom-right: query i of m sees keys j <= n - m + i
-                m = q1 - q0
-                s = s.masked_fill(torch.arange(n)[None, :] > (n - m + torch.arange(m))[:, None], -math.inf)
+                s = s.masked_fill(keys > n - m + rows, -math.inf)
+            if p["left"] >= 0:   # variants.cuh: kept iff kv_idx + qo_len + window_left >= kv_len + qo_idx
+                s = s.masked_fill(keys + m + p["left"] < n + rows, -math.inf)
+            if p["mask"] is not None:   # row-major per request, requests one after another
+                s = s.masked_fill(~p["mask"][mask_at:mask_at + m * n].view(m, n).cpu(), -math.inf)
+                mask_at += m * n
+            assert bool((s > -math.inf).any(-1).all()), "a planned query sees no key (FlashInfer's row would be NaN)"
             out[q0:q1] = torch.einsum("qtl,lqd->tqd", s.softmax(-1), v)
             lse[q0:q1] = (s.logsumexp(-1) / math.log(2)).T   # FlashInfer's LSE is base 2
         return out.to(q.dtype), lse.float()
@@ -88,16 +97,17 @@ def flashinfer_model(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", [None, "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("cap", [None, 5.0])
+@pytest.mark.parametrize("cap, window", [(None, None), (5.0, None), (None, 37), (5.0, 100)])
 @pytest.mark.parametrize("world, interleave", [(1, 1), (3, 1), (2, 16)])
-def test_flashinfer_backend_vs_float64(flashinfer_model, fmt, cap, world, interleave):
+def test_flashinfer_backend_vs_float64(flashinfer_model, fmt, cap, window, world, interleave):
     """Decodes and prefills in one step, random page placement, GQA; an fp8 cache read through its dequantised
-    pages; DCP shards (one with no key of some requests) merged by LSE after the base-2 conversion."""
+    pages; DCP shards (one with no key of some requests) merged by LSE after the base-2 conversion; sliding windows
+    on global positions (a shard's per-query windows as plans by window_left, or a custom mask)."""
     seed = int(torch.randint(1 << 30, ()))
     b = outlier_batch(*MIXED, 8, 2, 16, 16, torch.float32, "cpu", seed=seed)
-    (out, lse), (same, same_lse), (exact, _) = run_case(flashinfer_model, b, None, cap, fmt, "cpu", world,
+    (out, lse), (same, same_lse), (exact, _) = run_case(flashinfer_model, b, window, cap, fmt, "cpu", world,
                                                          interleave)
-    what = f"fmt={fmt} cap={cap} world={world} I={interleave} seed={seed}"
+    what = f"fmt={fmt} cap={cap} window={window} world={world} I={interleave} seed={seed}"
     assert torch.equal(lse.isinf(), same_lse.isinf()), what
     assert rel(out, same) < 1e-5, f"{what}: vs the same values {rel(out, same):.2e}"
     assert rel(lse.masked_fill(lse.isinf(), 0), same_lse.masked_fill(same_lse.isinf(), 0)) < 1e-5, what
@@ -119,3 +129,61 @@ def test_an_fp8_plan_addresses_only_the_pages_the_step_reads(flashinfer_model):
     for wrapper in (*plan.decode_wrapper.values(), *plan.prefill_wrapper.values()):
         assert wrapper.plan_args["kv_dtype"] == torch.float32
         assert set(wrapper.plan_args["indices"].tolist()) <= set(range(len(read)))
+
+
+def _seen_by_plan(kind, left, causal, vr, i, m):
+    """The local keys FlashInfer's rule lets query i (of m) of a virtual request see (flashinfer_windows)."""
+    n = vr.key_end - vr.key_start
+    keys = torch.arange(n)
+    keep = torch.ones(n, dtype=torch.bool)
+    if kind == "masked":
+        first, end = vr.mask
+        keep &= (keys + vr.key_start >= first[i]) & (keys + vr.key_start < end[i])
+    else:
+        if causal and kind == "prefill":
+            keep &= keys <= n - m + i
+        if left >= 0:
+            keep &= keys + m + left >= n + i
+    return set((keys[keep] + vr.key_start).tolist())
+
+
+@pytest.mark.parametrize("world, interleave", [(1, 1), (2, 1), (3, 1), (2, 4), (3, 16)])
+def test_window_plans_give_each_query_exactly_its_window(world, interleave):
+    """Each query's visible local keys under the plans (decode/prefill by window_left, or masked) are exactly those
+    of its window on global positions; a query that sees none here is in no plan; no page wholly before every
+    window of a request is read; single-rank chunks need no mask."""
+    from cpattn.attention import make_causal_metadata
+    from cpattn.attention.backends.flashinfer_windows import window_groups
+    from cpattn.attention.metadata import make_dcp_context_metadata
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    b, ps = int(torch.randint(1, 7, (), generator=g)), int(torch.tensor([1, 4, 16])[torch.randint(3, (), generator=g)])
+    q_lens = [int(x) if torch.rand((), generator=g) < 0.6 else 1 for x in torch.randint(0, 70, (b,), generator=g)]
+    c_lens = torch.randint(0, 400, (b,), generator=g).tolist()
+    q_lens, c_lens = q_lens + [1, 20], c_lens + [300, 300]   # a decode and a chunk past the window, always
+    window = int(torch.randint(1, 120, (), generator=g))
+    table = torch.arange((b + 2) * 512).view(b + 2, 512)
+    mds = ([make_causal_metadata(q_lens, c_lens, table, ps)] if world == 1 else [])
+    mds += [make_dcp_context_metadata(q_lens, c_lens, table, ps, world, r, interleave) for r in range(world)]
+    what = f"q={q_lens} c={c_lens} W={window} ps={ps} N={world} I={interleave}"
+    for md in mds:
+        first = md.window_key_start(window)
+        qsl, lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+        want = {}
+        for r in range(md.num_reqs):
+            m = qsl[r + 1] - qsl[r]
+            for j in range(m):
+                end = lens[r] - m + 1 + j if md.causal else lens[r]
+                want[qsl[r] + j] = set(range(int(first[qsl[r] + j]), end))
+        got = {}
+        groups = window_groups(md, window, ps)
+        for (kind, left), vrs in groups.by_plan.items():
+            for vr in vrs:
+                assert vr.key_start % ps == 0 and vr.key_start <= int(first[vr.first_row]) < vr.key_start + ps, what
+                for i in range(vr.num_rows):
+                    assert vr.first_row + i not in got, what
+                    got[vr.first_row + i] = _seen_by_plan(kind, left, md.causal, vr, i, vr.num_rows)
+        for row, keys in want.items():
+            assert got.get(row, set()) == keys, f"{what}: row {row}"
+        if md.dcp_world_size == 1 or interleave * world == 1:
+            assert not any(kind == "masked" for kind, _ in groups.by_plan), what

@@ -345,8 +345,8 @@ def test_static_scales_are_used_as_given():
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
 def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypatch):
-    """TRITON serves fp8, windows and soft caps; FLASH_ATTN and FLASHINFER serve soft caps and fp8 (pages dequantised
-    for their kernels) and say why not windows (global positions); auto on CUDA then takes TRITON for them."""
+    """TRITON and FLASHINFER serve fp8, windows and soft caps (FLASHINFER's fp8 pages dequantised for its kernels);
+    FLASH_ATTN serves soft caps and fp8 and says why not windows (global positions)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     from cpattn.attention.backend import AttentionSelectorConfig
@@ -358,11 +358,12 @@ def test_gpu_backends_declare_what_they_serve_and_say_why_not(backend, monkeypat
                                          sliding_window=True, logits_soft_cap=True)
     reasons = " | ".join(cls.validate(everything))
     assert "logits_soft_cap" not in reasons
-    if backend == "TRITON":
+    if backend != "FLASH_ATTN":
         assert "fp8" not in reasons and "sliding_window" not in reasons
+    if backend == "TRITON":
         older = AttentionSelectorConfig(**{**everything.__dict__, "device_capability": (8, 0)})
         assert "fp8_e4m3 KV needs compute capability 8.9 or newer in Triton" in " | ".join(cls.validate(older))
-    else:
+    if backend == "FLASH_ATTN":
         assert "fp8" not in reasons
         assert f"sliding_window is not served by {backend}: " in reasons and "global positions" in reasons
     default = AttentionSelectorConfig(head_size=128, dtype="bfloat16", kv_cache_dtype="auto", block_size=16,

@@ -112,7 +112,8 @@ def test_same_auto_and_names(doubles):
     assert select_prefill_backend(service_config(), decode) is decode                 # same, the default
     assert select_prefill_backend(cpu, decode, prefill_backend="PAGES16_BASE2") is Pages16Base2Backend
     # auto on CUDA, judged on the settings (platform_here=False): FLASH_ATTN beside TRITON, an fp8 cache too (its
-    # pages dequantised for the kernel); where FLASH_ATTN and FLASHINFER cannot serve (a window), the decode backend.
+    # pages dequantised for the kernel); where FLASH_ATTN cannot serve (a window), the decode backend (FLASHINFER
+    # serves windows when named, but auto does not take it for them until its windowed plans are timed on a GPU).
     gpu = gpu_config(backend="TRITON", prefill_backend="auto")
     triton = select_backend(gpu, platform_here=False)
     assert select_prefill_backend(gpu, triton, platform_here=False).get_name() == "FLASH_ATTN"

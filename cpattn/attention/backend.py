@@ -209,6 +209,8 @@ class AttentionBackend:
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    auto_prefill_with_windows: ClassVar[bool] = True
+    """Whether prefill_backend auto may take it for a config with windows (False: served when named, not yet timed)."""
     # Why a feature is not served, when a backend can say more than "not implemented yet" (validate's reasons).
     fp8_unsupported_why: ClassVar[str | None] = None
     sliding_window_unsupported_why: ClassVar[str | None] = None

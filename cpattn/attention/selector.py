@@ -97,6 +97,8 @@ def select_prefill_backend(config, decode: type[AttentionBackend], device: str |
             chosen = select_backend(config, device, backend=candidate, platform_here=platform_here)
         except BackendUnavailableError:
             continue
+        if config.backend_features()["sliding_window"] and not chosen.auto_prefill_with_windows:
+            continue
         if not pair_reasons(config, decode, chosen):
             return chosen
     return decode

@@ -7,7 +7,9 @@ with one permutation (``batch_split``), and plans a BatchDecode wrapper on the d
 BatchPrefill wrapper (causal as the metadata says; FlashInfer aligns the mask bottom-right) on the
 rest, once per soft cap some layer uses (the cap is a plan() argument). Requests with no readable key (a DCP shard
 that holds none of a sequence yet) are left out of both plans: their rows are out 0, lse -inf. The impl permutes q,
-runs both wrappers with ``return_lse`` and writes the outputs back in request order.
+runs both wrappers with ``return_lse`` and writes the outputs back in request order. A layer with a sliding window
+runs its own plans (flashinfer_windows: a window on global positions covers a different number of a DCP shard's
+local keys for each query, and FlashInfer's window_left is one count per plan), planned once per step per window.
 
 An fp8 cache: FlashInfer's fp8 KV takes one k_scale / v_scale per call, and cpattn's pages each carry their own
 (so no tenant's values change another's), so, as FLASH_ATTN does, the step's distinct pages are dequantised per layer
@@ -22,7 +24,7 @@ flashinfer is imported lazily: the module imports on machines without it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig)
 from cpattn.attention.batch_split import split_decodes_and_prefills
+from cpattn.attention.backends.flashinfer_windows import custom_mask, plan_inputs, window_groups
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
@@ -64,33 +67,52 @@ class FlashInferMetadata:
     fp8_pages: torch.Tensor | None = None
     """An fp8 cache: (U,) int64, device, the step's distinct pages in the order the plans number them (page u of
     the layer's dequantised scratch is cache page fp8_pages[u]); None otherwise."""
+    window_plans: dict = field(default_factory=dict)
+    """(soft cap, window) -> [(wrapper, (t,) int64 device: the step rows of its queries)]: a windowed layer's plans
+    (flashinfer_windows); rows in none of them see no key here."""
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
-    """Owns the wrappers, two per soft cap some layer uses (FlashInfer takes the cap in plan(); their int
-    workspaces and pinned buffers live across steps)."""
+    """Owns the wrappers, two per soft cap some layer uses and two per plan of a windowed layer (FlashInfer takes
+    the cap and window_left in plan(); their int workspaces and pinned buffers live across steps)."""
 
     def __init__(self, spec):
         super().__init__(spec)
         self._by_cap: dict = {}
 
-    def _caps(self) -> list:
-        caps = set(self.spec.logits_soft_caps) or {None}
-        return sorted(caps, key=lambda c: -1.0 if c is None else c)
+    def _pairs(self) -> list:
+        """(soft cap, window) of every layer, once each (a plan serves one cap; a window its own plans)."""
+        spec = self.spec
+        pairs = {(spec.soft_cap(l), spec.window(l))
+                 for l in range(max(len(spec.logits_soft_caps), len(spec.sliding_windows), 1))}
+        return sorted(pairs, key=lambda p: tuple(-1.0 if x is None else x for x in p))
 
-    def _wrappers(self, cap):
+    def _wrappers(self, key):
+        """The decode and prefill wrappers of ``key`` (a soft cap; or (cap, window, kind, ordinal) for windows)."""
         import flashinfer
 
-        if cap not in self._by_cap:
+        if key not in self._by_cap:
             dev = torch.device(self.spec.device)
             ws = _workspace(dev)
-            self._by_cap[cap] = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD"),
+            self._by_cap[key] = (flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD"),
                                  flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD"))
-        return self._by_cap[cap]
+        return self._by_cap[key]
 
     def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> FlashInferMetadata:
         spec = self.spec
         dev = torch.device(spec.device)
+        pairs = self._pairs()
+        fp8 = is_fp8(spec.kv_cache_dtype)
+        ps = spec.block_size
+        plain = [cap for cap, window in pairs if window is None]
+        windowed = {}    # (cap, window) -> [(kind, window_left, plan inputs)], page ids still the cache's
+        for window in sorted({w for _, w in pairs if w is not None}):
+            groups = window_groups(common, window, ps)
+            table = common.table_on_host().to(torch.int64)
+            inputs = [(kind, left, plan_inputs(vrs, table, ps), vrs) for (kind, left), vrs in groups.by_plan.items()]
+            for cap, w in pairs:
+                if w == window:
+                    windowed[(cap, window)] = inputs
         qsl = common.query_start_loc_cpu.to(torch.int64)
         seq_lens = common.seq_lens_cpu.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
@@ -108,30 +130,34 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             (token_order == torch.arange(token_order.numel())).all())
 
         lens = seq_lens[req_order]
-        ps = spec.block_size
         num_pages = (lens + ps - 1) // ps
         indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(num_pages, 0)
         last_page_len = (lens - 1) % ps + 1
         fp8_pages = None
-        if is_fp8(spec.kv_cache_dtype):   # the plans read the scratch's pages 0..U-1: renumbered on the host
-            _, pages_read, _ = block_table_to_csr(common.table_on_host().to(torch.int64)[req_order], lens, ps)
-            pages, renumbered = torch.unique(pages_read, return_inverse=True)
+        if fp8:   # the plans read the scratch's pages 0..U-1: renumbered on the host
+            read = [plan[2] for inputs in windowed.values() for _, _, plan, _ in inputs]
+            if plain:
+                _, pages_read, _ = block_table_to_csr(common.table_on_host().to(torch.int64)[req_order], lens, ps)
+                read.append(pages_read)
+            pages = torch.unique(torch.cat(read)) if read else torch.zeros(0, dtype=torch.int64)
             fp8_pages = pages.to(dev, non_blocking=True)
-            indices = renumbered.to(torch.int32).to(dev, non_blocking=True)
+            on_device = lambda ids: torch.searchsorted(pages, ids).to(torch.int32).to(dev, non_blocking=True)
+            indices = on_device(pages_read) if plain else None
         else:
-            table = common.block_table_tensor.to(dev, non_blocking=True)[req_order.to(dev)]
-            _, indices, _ = block_table_to_csr(table, lens.to(dev), ps)
-            indices = indices.to(torch.int32)
+            on_device = lambda ids: ids.to(torch.int32).to(dev, non_blocking=True)
+            indices = None
+            if plain:
+                table = common.block_table_tensor.to(dev, non_blocking=True)[req_order.to(dev)]
+                _, indices, _ = block_table_to_csr(table, lens.to(dev), ps)
+                indices = indices.to(torch.int32)
         i32 = torch.int32
 
         nd, ndt = split.num_decodes, split.num_decode_tokens
         decodes, prefills = {}, {}
-        for cap in self._caps():
+        for cap in plain:
             decode, prefill = self._wrappers(cap)
-            common_kwargs = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
-            if cap is not None:
-                common_kwargs["logits_soft_cap"] = cap         # s -> cap * tanh(s / cap), the scaled logits
+            common_kwargs = self._kwargs(cap)
             if nd:
                 decode.plan(indptr[:nd + 1].to(i32), indices[:int(indptr[nd])], last_page_len[:nd].to(i32),
                             spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps, **common_kwargs)
@@ -142,11 +168,40 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                              last_page_len[nd:].to(i32), spec.num_q_heads, spec.num_kv_heads, spec.head_size, ps,
                              causal=common.causal, **common_kwargs)
                 prefills[cap] = prefill
+        window_plans = {key: self._plan_windows(key, inputs, common.causal, on_device, dev)
+                        for key, inputs in windowed.items()}
         return FlashInferMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             token_order=None if identity else token_order.to(dev, non_blocking=True),
             num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens,
-            decode_wrapper=decodes, prefill_wrapper=prefills, fp8_pages=fp8_pages)
+            decode_wrapper=decodes, prefill_wrapper=prefills, fp8_pages=fp8_pages, window_plans=window_plans)
+
+    def _kwargs(self, cap) -> dict:
+        spec = self.spec
+        kwargs = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        if cap is not None:
+            kwargs["logits_soft_cap"] = cap         # s -> cap * tanh(s / cap), the scaled logits
+        return kwargs
+
+    def _plan_windows(self, key, inputs, causal, on_device, dev) -> list:
+        """One windowed layer's plans (flashinfer_windows): [(wrapper, the step rows of its queries on the device)]."""
+        spec, i32 = self.spec, torch.int32
+        cap, window = key
+        plans = []
+        for ordinal, (kind, left, (qo, indptr, ids, last, rows), vrs) in enumerate(inputs):
+            decode, prefill = self._wrappers((cap, window, kind, ordinal))
+            geometry = (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+            kwargs = dict(self._kwargs(cap), window_left=left)
+            if kind == "decode":
+                decode.plan(indptr.to(i32), on_device(ids), last.to(i32), *geometry, **kwargs)
+                wrapper = decode
+            else:
+                mask = custom_mask(vrs, dev) if kind == "masked" else None
+                prefill.plan(qo.to(i32), indptr.to(i32), on_device(ids), last.to(i32), *geometry,
+                             causal=causal and mask is None, custom_mask=mask, **kwargs)
+                wrapper = prefill
+            plans.append((wrapper, rows.to(dev, non_blocking=True)))
+        return plans
 
 
 class FlashInferImpl(AttentionImpl):
@@ -158,9 +213,11 @@ class FlashInferImpl(AttentionImpl):
         if kv_scale is not None:
             kv_cache = dequantize_pages(kv_cache, kv_scale, md.fp8_pages, q_TQD.dtype)
         paged = (kv_cache[0], kv_cache[1])
+        cap, window = self.spec.soft_cap(layer), self.spec.window(layer)
+        if window is not None:
+            return self._windowed(q_TQD, paged, md.window_plans[(cap, window)])
         q = q_TQD if md.token_order is None else q_TQD.index_select(0, md.token_order)
         ndt = md.num_decode_tokens
-        cap = self.spec.soft_cap(layer)
         outs, lses = [], []
         if md.decode_wrapper:
             o, l = md.decode_wrapper[cap].run(q[:ndt], paged, return_lse=True)
@@ -180,6 +237,18 @@ class FlashInferImpl(AttentionImpl):
         if outs:
             out.index_copy_(0, md.token_order, torch.cat(outs) if len(outs) > 1 else outs[0])
             lse.index_copy_(0, md.token_order, (torch.cat(lses) if len(lses) > 1 else lses[0]).float())
+        return out, lse
+
+    @staticmethod
+    def _windowed(q_TQD, paged, plans):
+        """A windowed layer: each plan's queries gathered, run, written back; rows in no plan keep out 0, lse -inf."""
+        t, hq, d = q_TQD.shape
+        out = torch.zeros(t, hq, d, dtype=q_TQD.dtype, device=q_TQD.device)
+        lse = torch.full((t, hq), -math.inf, dtype=torch.float32, device=q_TQD.device)
+        for wrapper, rows in plans:
+            o, l = wrapper.run(q_TQD.index_select(0, rows), paged, return_lse=True)
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(0, rows, l.float())
         return out, lse
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
@@ -211,9 +280,9 @@ class FlashInferBackend(AttentionBackend):
     supports_logits_soft_cap = True          # plan(logits_soft_cap=): one plan per cap some layer uses
     # fp8 pages are dequantised per layer into a scratch the wrappers read (the module's docstring says why).
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
-    sliding_window_unsupported_why = (
-        "is not served by FLASHINFER: its window_left is one key count per plan, and a window on global "
-        "positions covers a different number of a DCP shard's interleaved local keys for every query")
+    supports_sliding_window = True           # window_left per plan, a shard's per-query windows as virtual requests
+    # Its windowed prefill (a masked plan under DCP) is not yet timed on a GPU: auto keeps the decode backend there.
+    auto_prefill_with_windows = False
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):
