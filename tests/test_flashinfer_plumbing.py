@@ -35,13 +35,17 @@ class _Wrapper:
         self.plan_args = None
 
     def _plan(self, qo_indptr, indptr, indices, last_page_len, hq, hk, d, page_size, causal, q_data_type,
-              kv_data_type, sm_scale, logits_soft_cap=None, window_left=-1, custom_mask=None):
+              kv_data_type, sm_scale, logits_soft_cap=None, window_left=-1, packed_custom_mask=None):
         assert indices.dtype == indptr.dtype == last_page_len.dtype == torch.int32
-        assert custom_mask is None or (custom_mask.dtype == torch.bool and not causal), "a custom mask is the mask"
+        mask = None
+        if packed_custom_mask is not None:   # one request: its bits little-endian in bytes (variants.cuh)
+            assert packed_custom_mask.dtype == torch.uint8 and not causal and qo_indptr.numel() == 2
+            bits = (packed_custom_mask.cpu()[:, None].long() >> torch.arange(8)) & 1
+            mask = bits.flatten().bool()
         self.plan_args = dict(qo=qo_indptr.long().tolist(), indptr=indptr.long().tolist(), indices=indices.long(),
                               last=last_page_len.long().tolist(), hq=hq, hk=hk, d=d, ps=page_size, causal=causal,
                               kv_dtype=kv_data_type, scale=sm_scale, cap=logits_soft_cap, left=window_left,
-                              mask=custom_mask)
+                              mask=mask)
 
     def run(self, q, paged, return_lse=False):
         p = self.plan_args
@@ -137,12 +141,13 @@ def _seen_by_plan(kind, left, causal, vr, i, m):
     keys = torch.arange(n)
     keep = torch.ones(n, dtype=torch.bool)
     if kind == "masked":
+        assert vr is not None and left == vr.request
         first, end = vr.mask
         keep &= (keys + vr.key_start >= first[i]) & (keys + vr.key_start < end[i])
     else:
         if causal and kind == "prefill":
             keep &= keys <= n - m + i
-        if left >= 0:
+        if left >= 0:   # variants.cuh's rule
             keep &= keys + m + left >= n + i
     return set((keys[keep] + vr.key_start).tolist())
 
@@ -187,3 +192,26 @@ def test_window_plans_give_each_query_exactly_its_window(world, interleave):
             assert got.get(row, set()) == keys, f"{what}: row {row}"
         if md.dcp_world_size == 1 or interleave * world == 1:
             assert not any(kind == "masked" for kind, _ in groups.by_plan), what
+
+
+def test_which_plans_a_window_takes():
+    """One shard: decodes share one count and a chunk follows FlashInfer's rule (no mask); two shards at interleave 1:
+    a chunk's first keys rise every other query, so it is masked, one plan of its own, its bits packed as FlashInfer
+    reads them."""
+    from cpattn.attention import make_causal_metadata
+    from cpattn.attention.backends.flashinfer_windows import packed_mask, window_groups
+    from cpattn.attention.metadata import make_dcp_context_metadata
+
+    q, c, table = [1, 1, 20, 9], [300, 5000, 300, 4000], torch.arange(4 * 400).view(4, 400)
+    one = window_groups(make_causal_metadata(q, c, table, 16), 100, 16).by_plan
+    assert {key: [vr.request for vr in vrs] for key, vrs in one.items()} == {("decode", 99): [0, 1],
+                                                                            ("prefill", 99): [2, 3]}
+    two = window_groups(make_dcp_context_metadata(q, c, table, 16, 2, 0, 1), 100, 16).by_plan
+    assert sorted(two) == [("decode", 48), ("masked", 2), ("masked", 3)]   # even positions of [p - 99, p)
+    vr = two[("masked", 2)][0]
+    bits = (packed_mask(vr, torch.device("cpu"))[:, None].long() >> torch.arange(8)) & 1
+    first, end = vr.mask
+    keys = torch.arange(vr.key_start, vr.key_end)
+    want = (keys[None] >= first[:, None]) & (keys[None] < end[:, None])
+    bits = bits.flatten()
+    assert torch.equal(bits[:want.numel()].view_as(want).bool(), want) and not bits[want.numel():].any()

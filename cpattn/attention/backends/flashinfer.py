@@ -32,7 +32,7 @@ import torch
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig)
 from cpattn.attention.batch_split import split_decodes_and_prefills
-from cpattn.attention.backends.flashinfer_windows import custom_mask, plan_inputs, window_groups
+from cpattn.attention.backends.flashinfer_windows import packed_mask, plan_inputs, window_groups
 from cpattn.attention.backends.triton_attn import write_kv_cache_fast
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.metadata import CommonAttentionMetadata
@@ -191,14 +191,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         for ordinal, (kind, left, (qo, indptr, ids, last, rows), vrs) in enumerate(inputs):
             decode, prefill = self._wrappers((cap, window, kind, ordinal))
             geometry = (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
-            kwargs = dict(self._kwargs(cap), window_left=left)
             if kind == "decode":
-                decode.plan(indptr.to(i32), on_device(ids), last.to(i32), *geometry, **kwargs)
+                decode.plan(indptr.to(i32), on_device(ids), last.to(i32), *geometry, window_left=left,
+                            **self._kwargs(cap))
                 wrapper = decode
-            else:
-                mask = custom_mask(vrs, dev) if kind == "masked" else None
-                prefill.plan(qo.to(i32), indptr.to(i32), on_device(ids), last.to(i32), *geometry,
-                             causal=causal and mask is None, custom_mask=mask, **kwargs)
+            elif kind == "prefill":
+                prefill.plan(qo.to(i32), indptr.to(i32), on_device(ids), last.to(i32), *geometry, causal=causal,
+                             window_left=left, **self._kwargs(cap))
+                wrapper = prefill
+            else:   # one request, its custom mask (packed here: flashinfer_windows says why)
+                prefill.plan(qo.to(i32), indptr.to(i32), on_device(ids), last.to(i32), *geometry, causal=False,
+                             packed_custom_mask=packed_mask(vrs[0], dev), **self._kwargs(cap))
                 wrapper = prefill
             plans.append((wrapper, rows.to(dev, non_blocking=True)))
         return plans

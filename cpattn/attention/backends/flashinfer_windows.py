@@ -10,9 +10,11 @@ the page holding its first visible key on (pages wholly before every window are 
   value (with one shard every decode past its window shares W - 1);
 - a request of several queries whose first keys rise one per query (one shard: s_j = max(0, p_j - W + 1), the
   rule's own shape) is one, in a prefill plan per window_left;
-- any other (a DCP shard's chunk: its first keys rise by one every N queries) is one of a masked prefill plan:
-  FlashInfer's custom mask, one bit per query and key from the request's first visible key on (m x keys bits, built
-  on the device once per step).
+- any other (a DCP shard's chunk: its first keys rise by one every N queries) is a masked prefill plan of its own:
+  FlashInfer's custom mask, one bit per query and key from the request's first visible key on (m x keys bits,
+  built and packed on the device once per step). One request per masked plan, so the mask's offsets are 0 whether
+  FlashInfer counts them in bits or bytes, and FlashInfer's own packing (a kernel that wants the host-planned
+  indptr on the mask's device) is not needed.
 A query that sees no key here (its window lies wholly on other ranks) is in no plan: out 0, lse -inf.
 """
 
@@ -42,8 +44,8 @@ class VirtualRequest:
 
 @dataclass
 class WindowGroups:
-    """One window's virtual requests by plan: (kind, window_left) -> requests; kind is decode, prefill or masked
-    (masked plans take window_left -1)."""
+    """One window's virtual requests by plan: (kind, window_left) -> requests, kind decode or prefill; ("masked",
+    r) -> [request r's], one masked plan per request (window_left -1, its mask says it all)."""
 
     by_plan: dict = field(default_factory=dict)
 
@@ -90,7 +92,7 @@ def _add_chunk(groups: WindowGroups, causal: bool, r: int, qs: int, m: int, n: i
     if torch.equal(by_rule, first.clamp(min=start)):
         groups.add("prefill", -1 if int(first[-1]) <= start else left, VirtualRequest(r, qs + a, k, start, e))
     else:
-        groups.add("masked", -1, VirtualRequest(r, qs + a, k, start, e, mask=(first, end)))
+        groups.add("masked", r, VirtualRequest(r, qs + a, k, start, e, mask=(first, end)))
 
 
 def plan_inputs(vrs: list[VirtualRequest], table_BW: torch.Tensor, page_size: int):
@@ -111,12 +113,13 @@ def plan_inputs(vrs: list[VirtualRequest], table_BW: torch.Tensor, page_size: in
     return qo, indptr, ids, last, rows
 
 
-def custom_mask(vrs: list[VirtualRequest], device: torch.device) -> torch.Tensor:
-    """The masked plan's flattened bool mask: per request, row i over its keys [key_start, key_end) (FlashInfer's
-    layout, row-major per request, requests concatenated); built on ``device`` (m x keys elements each)."""
-    parts = []
-    for vr in vrs:
-        first, end = (x.to(device, non_blocking=True) for x in vr.mask)
-        keys = torch.arange(vr.key_start, vr.key_end, device=device)
-        parts.append(((keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])).flatten())
-    return torch.cat(parts)
+def packed_mask(vr: VirtualRequest, device: torch.device) -> torch.Tensor:
+    """A masked request's custom mask as FlashInfer reads it: bit qo_idx * keys + kv_idx over its keys
+    [key_start, key_end), little-endian within each byte (``custom_mask_ptr[offset / 8] >> (offset % 8)``), uint8 on
+    ``device`` (m x keys bits)."""
+    first, end = (x.to(device, non_blocking=True) for x in vr.mask)
+    keys = torch.arange(vr.key_start, vr.key_end, device=device)
+    bits = ((keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])).flatten()
+    bits = torch.nn.functional.pad(bits.to(torch.uint8), (0, -bits.numel() % 8)).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
