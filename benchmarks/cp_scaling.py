@@ -54,6 +54,11 @@ CASES = {
     "decode_1m_fp8": Case("decode_1m_fp8", 1, 1048576, 1, "TRITON", kv="fp8_e4m3"),
     "decode_1m_w4096": Case("decode_1m_w4096", 1, 1048576, 1, "TRITON", window=4096),
     "decode_b64_32k_fp8": Case("decode_b64_32k_fp8", 64, 32768, 1, "TRITON", kv="fp8_e4m3"),
+    # FLASHINFER's windows (flashinfer_windows.py): decodes grouped by count; a chunk by FlashInfer's rule on one
+    # shard, a masked plan on each of two.
+    "decode_1m_w4096_flashinfer": Case("decode_1m_w4096_flashinfer", 1, 1048576, 1, "FLASHINFER", window=4096),
+    "chunked_8k_on_512k_w4096_flashinfer": Case("chunked_8k_on_512k_w4096_flashinfer", 1, 524288, 8192,
+                                                "FLASHINFER", window=4096),
     "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),
     "prefill_128k": Case("prefill_128k", 1, 0, 131072, "FLASH_ATTN"),
     "chunked_8k_on_512k": Case("chunked_8k_on_512k", 1, 524288, 8192, "FLASH_ATTN"),
