@@ -147,12 +147,14 @@ def test_a_prefill_backend_that_cannot_share_the_cache_is_refused_saying_what_to
 def test_an_explicit_prefill_backend_that_cannot_serve_the_settings_fails_with_every_reason():
     from cpattn.cluster.service import check_backend
 
-    fp8 = gpu_config(backend="TRITON", prefill_backend="FLASH_ATTN", kv_cache_dtype="fp8_e4m3", sliding_window=64)
+    fp8 = gpu_config(backend="TORCH", prefill_backend="FLASH_ATTN", kv_cache_dtype="fp8_e4m3", sliding_window=64,
+                     dtype="float32")
     with pytest.raises(BackendUnavailableError, match="attention backend FLASH_ATTN cannot serve") as exc:
         check_backend(fp8)
     reasons = exc.value.reasons["FLASH_ATTN"]
     assert not any("fp8" in r for r in reasons)          # FLASH_ATTN reads fp8 pages dequantised
-    assert any("sliding_window is not served by FLASH_ATTN" in r for r in reasons)
+    assert not any("sliding_window is not served" in r for r in reasons)   # windowed layers on TRITON's kernels
+    assert any("dtype float32 not supported" in r for r in reasons)
     with pytest.raises(BackendUnavailableError, match="attention backend FLASH_ATTN cannot serve"):
         check_backend(service_config(prefill_backend="FLASH_ATTN"))   # on the CPU: every reason, platform too
 

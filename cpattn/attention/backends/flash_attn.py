@@ -13,6 +13,12 @@ causal=True asks FlashAttention for its causal mask, which every generation alig
 (query j of a request with L keys and n queries sees keys [0, L - n + j]) - exactly our rule;
 causal=False (a DCP context partial) is a plain non-causal call. Requests with no key get out 0,
 lse -inf, fixed up after the call since generations disagree on that corner.
+
+Layers with a sliding window run on TRITON's kernels (planned beside, once per step, on the same cache): a window on
+global positions covers a different number of a DCP shard's interleaved local keys for every query, and
+FlashAttention's ``window_size`` is one count per call (no per-query start, no mask), while TRITON's kernels take
+each query's first key. So a model with windowed and full layers (Gemma-2/3, Mistral's) keeps FlashAttention for
+its full layers; TRITON reads an fp8 cache's pages itself and skips pages wholly before a window.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from cpattn.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                       AttentionMetadataBuilder, AttentionSelectorConfig)
-from cpattn.attention.backends.triton_attn import write_kv_cache_fast
+from cpattn.attention.backends.triton_attn import TritonAttentionBackend, write_kv_cache_fast
 from cpattn.attention.ops.head_size import HEAD_SIZE_RULE, head_size_ok
 from cpattn.attention.ops.lse import LseBase
 from cpattn.attention.ops.partials import unattended_rows
@@ -143,6 +149,8 @@ class FlashAttentionMetadata:
     causal: bool
     empty_rows: torch.Tensor | None
     """(T,) bool, device: tokens of requests with no key; None when there are none."""
+    windowed: object | None = None
+    """The step's TRITON metadata for the windowed layers (None without windows)."""
     page_table_cpu: torch.Tensor | None = None
     """(B, W) int64, host, -1 beyond a request's pages: for an fp8 cache's dequantised pages (planned once per
     step without a device sync); None only where the metadata was built on the device."""
@@ -151,7 +159,17 @@ class FlashAttentionMetadata:
     on the device; made by the step's first layer, reused by the others."""
 
 
+def _has_windows(spec) -> bool:
+    return any(w is not None for w in spec.sliding_windows)
+
+
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._windows = None   # TRITON's builder, for the windowed layers (the module's docstring says why)
+        if _has_windows(spec):
+            self._windows = TritonAttentionBackend.get_builder_cls()(spec)
+
     def build(self, common_prefix_len: int, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
         dev = torch.device(self.spec.device)
         seq = common.seq_lens_cpu.to(torch.int64)
@@ -171,6 +189,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
             page_table=table.to(dev, non_blocking=True).to(i32).contiguous(),
             max_query_len=max(common.max_query_len, 1), max_seq_len=max(common.max_seq_len, 1),
             causal=common.causal, empty_rows=empty_rows,
+            windowed=None if self._windows is None else self._windows.build(common_prefix_len, common),
             page_table_cpu=common.block_table_tensor if table.device.type == "cpu" else common.block_table_cpu)
 
 
@@ -188,6 +207,10 @@ class FlashAttentionImpl(AttentionImpl):
         self.generation = gen
         self._fn = _import_generation(gen)
         logger.info("FLASH_ATTN runs %s (%s)", gen, _package_version(gen))
+        self._windows = None   # TRITON's impl, for the windowed layers (the module's docstring says why)
+        if _has_windows(spec):
+            self._windows = TritonAttentionBackend.get_impl_cls()(spec)
+            logger.info("FLASH_ATTN's windowed layers run on TRITON's kernels")
 
     def _call(self, q, k, v, *, cu_seqlens_q, max_q, causal, seqused_k=None, cu_seqlens_k=None, max_k=None,
               page_table=None, soft_cap=None):
@@ -215,6 +238,8 @@ class FlashAttentionImpl(AttentionImpl):
         layer, small beside a prefill's attention (a chunk of 8K onto 512K keys: ~1 ms of ~120) but not beside a
         decode's (TRITON reads fp8 pages itself; auto keeps decode there)."""
         md: FlashAttentionMetadata = attn_metadata
+        if self.spec.window(layer) is not None:
+            return self._windows.forward(layer, q_TQD, k_TKD, v_TKD, kv_cache, md.windowed, kv_scale)
         if md.has_writes:
             write_kv_cache_fast(kv_cache, k_TKD, v_TKD, md.slot_mapping, kv_scale)
         page_table = md.page_table
@@ -251,7 +276,9 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward_new_tokens(self, q_TQD, k_TKD, v_TKD, pieces_P3, layer=0):
         """Pieces as one varlen call over gathered (q, k) segments: queries [qs, qe) vs keys [ks, qe),
-        causal bottom-right, so query qs + i sees keys [ks, qs + i]."""
+        causal bottom-right, so query qs + i sees keys [ks, qs + i]. A windowed layer: TRITON's."""
+        if self.spec.window(layer) is not None:
+            return self._windows.forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
         if not q_TQD.is_cuda:
             return super().forward_new_tokens(q_TQD, k_TKD, v_TKD, pieces_P3, layer)
         t = q_TQD.shape[0]
@@ -282,7 +309,10 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward_causal_pieces(self, q_RQD, k_SKD, v_SKD, pieces_P4, layer=0):
         """A few pieces (a prefill rank's share): one kernel call each, straight on slices of q and k (views: no
-        gather, no full-size output; a remote rank's compact message as it arrived). Many: the default."""
+        gather, no full-size output; a remote rank's compact message as it arrived). Many: the default. A windowed
+        layer: TRITON's."""
+        if self.spec.window(layer) is not None:
+            return self._windows.forward_causal_pieces(q_RQD, k_SKD, v_SKD, pieces_P4, layer)
         pieces = [p for p in pieces_P4.tolist() if p[1] > p[0]]
         if not q_RQD.is_cuda or not pieces or len(pieces) > MAX_PIECE_CALLS:
             return super().forward_causal_pieces(q_RQD, k_SKD, v_SKD, pieces_P4, layer)
@@ -329,9 +359,9 @@ class FlashAttentionBackend(AttentionBackend):
     # fp8 pages are dequantised per layer into a scratch the kernel reads (forward): no generation takes a scale
     # per page (FA4 has no fp8 KV; FA3's takes one descale per sequence and kv head).
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
-    sliding_window_unsupported_why = (
-        "is not served by FLASH_ATTN: its window_size is one key count per call, and a window on global "
-        "positions covers a different number of a DCP shard's interleaved local keys for every query")
+    # Windowed layers run on TRITON's kernels (the module's docstring says why); availability needs them then.
+    supports_sliding_window = True
+    auto_prefill_with_windows = False   # not yet timed on a GPU: prefill_backend auto keeps the decode backend
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):
@@ -353,6 +383,9 @@ class FlashAttentionBackend(AttentionBackend):
         gen, rejected = select_generation(config)
         if gen is None:
             reasons.extend(f"{g}: {'; '.join(r)}" for g, r in rejected.items())
+        if config.sliding_window:
+            reasons.extend(f"sliding_window layers run on TRITON's kernels, which cannot run here: {r}"
+                           for r in TritonAttentionBackend.availability(config))
         return reasons
 
 
