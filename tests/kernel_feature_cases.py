@@ -104,3 +104,19 @@ def run_case(cls, b, window, cap, fmt, device, world=1, interleave=1):
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def check_cpu_model_case(cls, shape, window, cap, fmt, world, interleave, exact_bound: float) -> None:
+    """A backend whose kernels are modelled in float64 on the CPU (tests/test_flashinfer_plumbing.py,
+    tests/test_flash_attn_windows.py), on a fresh seed: its output and LSE as TORCH's in float64 on the same values,
+    so no error of its own beside the cache format's (an fp8 cache's error vs exact float64 has a tail at these tiny
+    heads: e4m3 over 0.1 in ~2 of 1,000 seeds, so ``exact_bound``, the README's bound, is checked at twice it)."""
+    seed = int(torch.randint(1 << 30, ()))
+    b = outlier_batch(*shape, 8, 2, 16, 16, torch.float32, "cpu", seed=seed)
+    (out, lse), (same, same_lse), (exact, _) = run_case(cls, b, window, cap, fmt, "cpu", world, interleave)
+    what = f"fmt={fmt} cap={cap} window={window} world={world} I={interleave} seed={seed}"
+    assert torch.equal(lse.isinf(), same_lse.isinf()), what
+    assert rel(out, same) < 1e-5, f"{what}: vs the same values {rel(out, same):.2e}"
+    assert rel(lse.masked_fill(lse.isinf(), 0), same_lse.masked_fill(same_lse.isinf(), 0)) < 1e-5, what
+    assert rel(out, exact) <= rel(same, exact) + 1e-5, f"{what}: {rel(out, exact):.2e} vs {rel(same, exact):.2e}"
+    assert rel(out, exact) < 2 * exact_bound, f"{what}: vs exact float64 {rel(out, exact):.2e}"

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from tests.kernel_feature_cases import outlier_batch, rel, run_case
+from tests.kernel_feature_cases import check_cpu_model_case, outlier_batch, rel
 
 MIXED = ([1, 7, 1, 33, 5, 1, 30], [40, 0, 500, 10, 250, 0, 300])
 EXACT_BOUND = {None: 1e-6, "fp8_e4m3": 1e-1}
@@ -73,14 +73,7 @@ def flash_attn_model(monkeypatch):
 @pytest.mark.parametrize("world, interleave", [(1, 1), (3, 1), (2, 16)])
 def test_flash_attn_layers_with_and_without_windows_vs_float64(flash_attn_model, fmt, window, cap, world,
                                                                interleave):
-    seed = int(torch.randint(1 << 30, ()))
-    b = outlier_batch(*MIXED, 8, 2, 16, 16, torch.float32, "cpu", seed=seed)
-    (out, lse), (same, same_lse), (exact, _) = run_case(flash_attn_model, b, window, cap, fmt, "cpu", world,
-                                                         interleave)
-    what = f"fmt={fmt} window={window} cap={cap} world={world} I={interleave} seed={seed}"
-    assert torch.equal(lse.isinf(), same_lse.isinf()), what
-    assert rel(out, same) < 1e-5, f"{what}: vs the same values {rel(out, same):.2e}"
-    assert rel(out, exact) < EXACT_BOUND[fmt], f"{what}: vs exact float64 {rel(out, exact):.2e}"
+    check_cpu_model_case(flash_attn_model, MIXED, window, cap, fmt, world, interleave, EXACT_BOUND[fmt])
 
 
 def test_a_model_of_full_and_windowed_layers_keeps_flash_attention_for_its_full_layers(flash_attn_model, monkeypatch):

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.kernel_feature_cases import outlier_batch, rel, run_case
+from tests.kernel_feature_cases import check_cpu_model_case, outlier_batch
 
 MIXED = ([1, 7, 1, 33, 5, 1, 30], [40, 0, 500, 10, 250, 0, 300])
 EXACT_BOUND = {None: 1e-6, "fp8_e4m3": 1e-1, "fp8_e5m2": 2e-1}
@@ -107,15 +107,7 @@ def test_flashinfer_backend_vs_float64(flashinfer_model, fmt, cap, window, world
     """Decodes and prefills in one step, random page placement, GQA; an fp8 cache read through its dequantised
     pages; DCP shards (one with no key of some requests) merged by LSE after the base-2 conversion; sliding windows
     on global positions (a shard's per-query windows as plans by window_left, or a custom mask)."""
-    seed = int(torch.randint(1 << 30, ()))
-    b = outlier_batch(*MIXED, 8, 2, 16, 16, torch.float32, "cpu", seed=seed)
-    (out, lse), (same, same_lse), (exact, _) = run_case(flashinfer_model, b, window, cap, fmt, "cpu", world,
-                                                         interleave)
-    what = f"fmt={fmt} cap={cap} window={window} world={world} I={interleave} seed={seed}"
-    assert torch.equal(lse.isinf(), same_lse.isinf()), what
-    assert rel(out, same) < 1e-5, f"{what}: vs the same values {rel(out, same):.2e}"
-    assert rel(lse.masked_fill(lse.isinf(), 0), same_lse.masked_fill(same_lse.isinf(), 0)) < 1e-5, what
-    assert rel(out, exact) < EXACT_BOUND[fmt], f"{what}: vs exact float64 {rel(out, exact):.2e}"
+    check_cpu_model_case(flashinfer_model, MIXED, window, cap, fmt, world, interleave, EXACT_BOUND[fmt])
 
 
 def test_an_fp8_plan_addresses_only_the_pages_the_step_reads(flashinfer_model):
