@@ -82,6 +82,35 @@ def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus
 
 @pytest.mark.parametrize("interleave", [1, 16])
 @pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN"])
+def test_service_windows_beside_full_layers(ray_session, backend, interleave):
+    """Sliding windows on FLASHINFER (a DCP shard's per-query windows as plans by count, its chunks masked) and on
+    FLASH_ATTN (its windowed layers on TRITON's kernels): a windowed layer beside a full one with a soft cap, through
+    the service on one GPU (4 shards in the client's process), PCP prefill, chunked prefill past the window and
+    decodes vs the float64 oracle (bf16 rel < 2e-2)."""
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle, relative_step
+
+    why = _usable(backend, 16)
+    if why:
+        pytest.skip(why)
+    cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64,
+                         sliding_window=[100, None], logits_soft_cap=[None, 30.0])
+    svc = cpattn.start(cfg)
+    try:
+        assert {s["backend"] for s in svc.info()["shards"]} == {backend}
+        oracle = Oracle(cfg, seed=12)
+        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
+        for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 140, c: 1}, {a: 1, b: 1, c: 1}):
+            relative_step(svc, oracle, request, 2e-2, f"{backend} window I={interleave}")
+    finally:
+        svc.shutdown()
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN"])
 def test_service_fp8_on_dequantised_pages(ray_session, backend, interleave):
     """FLASHINFER and FLASH_ATTN read an fp8 cache through its pages dequantised per layer (no kernel of theirs takes
     a scale per page): through the service on one GPU (4 shards computed in the client's process), a soft-capped
