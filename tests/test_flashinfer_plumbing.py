@@ -186,11 +186,12 @@ def test_window_plans_give_each_query_exactly_its_window(world, interleave):
             assert not any(kind == "masked" for kind, _ in groups.by_plan), what
 
 
-def test_which_plans_a_window_takes():
+def test_which_plans_a_window_takes(monkeypatch):
     """One shard: decodes share one count and a chunk follows FlashInfer's rule (no mask); two shards at interleave 1:
     a chunk's first keys rise every other query, so it is masked, one plan of its own, its bits packed as FlashInfer
-    reads them."""
+    reads them (the same when built a few rows at a time)."""
     from cpattn.attention import make_causal_metadata
+    from cpattn.attention.backends import flashinfer_windows
     from cpattn.attention.backends.flashinfer_windows import packed_mask, window_groups
     from cpattn.attention.metadata import make_dcp_context_metadata
 
@@ -201,7 +202,10 @@ def test_which_plans_a_window_takes():
     two = window_groups(make_dcp_context_metadata(q, c, table, 16, 2, 0, 1), 100, 16).by_plan
     assert sorted(two) == [("decode", 48), ("masked", 2), ("masked", 3)]   # even positions of [p - 99, p)
     vr = two[("masked", 2)][0]
-    bits = (packed_mask(vr, torch.device("cpu"))[:, None].long() >> torch.arange(8)) & 1
+    whole = packed_mask(vr, torch.device("cpu"))
+    monkeypatch.setattr(flashinfer_windows, "MASK_BLOCK_BYTES", 8 * 30)   # blocks of 8 rows
+    assert torch.equal(packed_mask(vr, torch.device("cpu")), whole)
+    bits = (whole[:, None].long() >> torch.arange(8)) & 1
     first, end = vr.mask
     keys = torch.arange(vr.key_start, vr.key_end)
     want = (keys[None] >= first[:, None]) & (keys[None] < end[:, None])

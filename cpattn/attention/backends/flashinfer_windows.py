@@ -113,13 +113,21 @@ def plan_inputs(vrs: list[VirtualRequest], table_BW: torch.Tensor, page_size: in
     return qo, indptr, ids, last, rows
 
 
+MASK_BLOCK_BYTES = 64 << 20
+"""packed_mask builds its bits this many at a time (a chunk of 32K queries over 20K local keys is 640M bits)."""
+
+
 def packed_mask(vr: VirtualRequest, device: torch.device) -> torch.Tensor:
     """A masked request's custom mask as FlashInfer reads it: bit qo_idx * keys + kv_idx over its keys
     [key_start, key_end), little-endian within each byte (``custom_mask_ptr[offset / 8] >> (offset % 8)``), uint8 on
-    ``device`` (m x keys bits)."""
+    ``device`` (m x keys bits), built a block of rows at a time (a multiple of 8 rows: each block whole bytes)."""
     first, end = (x.to(device, non_blocking=True) for x in vr.mask)
     keys = torch.arange(vr.key_start, vr.key_end, device=device)
-    bits = ((keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])).flatten()
-    bits = torch.nn.functional.pad(bits.to(torch.uint8), (0, -bits.numel() % 8)).view(-1, 8)
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    rows = max(8, MASK_BLOCK_BYTES // max(keys.numel(), 1) // 8 * 8)
+    packed = []
+    for r0 in range(0, first.numel(), rows):
+        bits = ((keys[None, :] >= first[r0:r0 + rows, None]) & (keys[None, :] < end[r0:r0 + rows, None])).flatten()
+        bits = torch.nn.functional.pad(bits.to(torch.uint8), (0, -bits.numel() % 8)).view(-1, 8)
+        packed.append((bits * weights).sum(-1, dtype=torch.uint8))
+    return torch.cat(packed)
