@@ -80,31 +80,36 @@ def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus
         svc.shutdown()
 
 
-@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("kv,interleave,gpus", [("auto", 1, 1), ("fp8_e4m3", 16, 1), ("auto", 16, 2),
+                                                 ("fp8_e4m3", 1, 2)])
 @pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN"])
-def test_service_windows_beside_full_layers(ray_session, backend, interleave):
+def test_service_windows_beside_full_layers(ray_session, backend, kv, interleave, gpus):
     """Sliding windows on FLASHINFER (a DCP shard's per-query windows as plans by count, its chunks masked) and on
-    FLASH_ATTN (its windowed layers on TRITON's kernels): a windowed layer beside a full one with a soft cap, through
-    the service on one GPU (4 shards in the client's process), PCP prefill, chunked prefill past the window and
-    decodes vs the float64 oracle (bf16 rel < 2e-2)."""
+    FLASH_ATTN (its windowed layers on TRITON's kernels), with soft caps, sinks and an fp8 or bf16 cache: a windowed,
+    soft-capped layer beside a full one with sinks, through the service on one GPU (4 shards in the client's process)
+    or two (2 shards: one in-process, one over NCCL), PCP prefill, chunked prefill past the window and decodes, vs
+    the float64 oracle (bf16 rel < 2e-2, fp8 e4m3 < 1e-1)."""
     import cpattn
     from conftest import service_config
     from service_oracle import Oracle, relative_step
 
-    why = _usable(backend, 16)
+    why = _usable(backend, 16) or (f"needs {gpus} GPUs" if gpus > torch.cuda.device_count() else None)
     if why:
         pytest.skip(why)
-    cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
-                         num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64,
-                         sliding_window=[100, None], logits_soft_cap=[None, 30.0])
+    cfg = service_config(num_shards=4 if gpus == 1 else 2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128,
+                         block_size=16, dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
+                         num_gpus_per_shard=0.25 if gpus == 1 else 1.0, num_cpus_per_shard=0.5,
+                         num_blocks_per_shard=256, pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[100, None],
+                         logits_soft_cap=[30.0, None])
     svc = cpattn.start(cfg)
     try:
         assert {s["backend"] for s in svc.info()["shards"]} == {backend}
         oracle = Oracle(cfg, seed=12)
+        oracle.sinks = {1: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
+        bound = 1e-1 if kv.startswith("fp8") else 2e-2
         a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
         for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 140, c: 1}, {a: 1, b: 1, c: 1}):
-            relative_step(svc, oracle, request, 2e-2, f"{backend} window I={interleave}")
+            relative_step(svc, oracle, request, bound, f"{backend} {kv} window I={interleave} {gpus} GPU(s)")
     finally:
         svc.shutdown()
 
