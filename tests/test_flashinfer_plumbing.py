@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.kernel_feature_cases import check_cpu_model_case, outlier_batch
+from tests.kernel_feature_cases import check_cpu_model_case, outlier_batch, rel
 
 MIXED = ([1, 7, 1, 33, 5, 1, 30], [40, 0, 500, 10, 250, 0, 300])
 EXACT_BOUND = {None: 1e-6, "fp8_e4m3": 1e-1, "fp8_e5m2": 2e-1}
@@ -211,3 +211,33 @@ def test_which_plans_a_window_takes(monkeypatch):
     want = (keys[None] >= first[:, None]) & (keys[None] < end[:, None])
     bits = bits.flatten()
     assert torch.equal(bits[:want.numel()].view_as(want).bool(), want) and not bits[want.numel():].any()
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_full_and_windowed_layers_share_one_plan(flashinfer_model, fmt, world):
+    """Layers (None, 64) planned once per step: the full layer on the plain plans, the windowed one on its own, an fp8
+    cache's scratch holding the pages of both (renumbered once); each layer vs TORCH in float64 on the same values."""
+    from cpattn.attention import AttentionSpec, make_causal_metadata
+    from cpattn.attention.backends.torch_ref import TorchAttentionImpl, TorchMetadataBuilder
+    from tests.gpu.batches import dcp_shards
+    from tests.kernel_feature_cases import to_fp8
+
+    b = outlier_batch([1, 20, 1], [300, 100, 40], 8, 2, 16, 16, torch.float32, "cpu", seed=9)
+    shards = ([(make_causal_metadata(b.query_lens, b.context_lens, b.block_table, b.block_size), b.kv_cache)]
+              if world == 1 else [(sh.md, sh.kv_cache) for sh in dcp_shards(b, world, 1, "cpu")])
+    for md, cache in shards:
+        scales = None
+        if fmt is not None:
+            cache, scales = to_fp8(cache, md.slot_mapping, b.k, b.v, fmt)
+        s = AttentionSpec(8, 2, 16, torch.float32, 16, "cpu", sliding_windows=(None, 64), kv_cache_dtype=fmt or "auto")
+        plan = flashinfer_model.get_builder_cls()(s).build(0, md)
+        impl = flashinfer_model.get_impl_cls()(s)
+        extra = {} if scales is None else {"kv_scale": scales}
+        for layer, window in enumerate((None, 64)):
+            out, _ = impl.forward(layer, b.q, b.k, b.v, cache.clone(), plan, **extra)
+            s64 = AttentionSpec(8, 2, 16, torch.float64, 16, "cpu", sliding_windows=(window,))
+            ref, _ = TorchAttentionImpl(s64).forward(0, b.q.double(), b.k.double(), b.v.double(),
+                                                     cache.clone() if scales is not None else cache.double(),
+                                                     TorchMetadataBuilder(s64).build(0, md), **extra)
+            assert rel(out, ref) < 1e-5, f"layer {layer} world {world} fmt {fmt}"
