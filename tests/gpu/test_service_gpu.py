@@ -49,46 +49,13 @@ def test_service_on_one_gpu_matches_reference(ray_session, backend, interleave):
 
 @pytest.mark.parametrize("kv,interleave,gpus", [("fp8_e4m3", 1, 1), ("fp8_e4m3", 16, 1), ("auto", 1, 1),
                                                  ("auto", 16, 1), ("fp8_e4m3", 16, 2), ("auto", 1, 2)])
-def test_triton_service_fp8_windows_caps_sinks(ray_session, kv, interleave, gpus):
-    """TRITON through the service on one GPU (4 shards, the client computing them in-process over CUDA IPC, fp8
-    page scales included) or two (2 shards: one in-process, one over NCCL): an fp8 or bf16 cache, a full layer
+@pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "FLASH_ATTN"])
+def test_service_fp8_windows_caps_sinks(ray_session, backend, kv, interleave, gpus):
+    """Every GPU backend through the service on one GPU (4 shards, the client computing them in-process over CUDA IPC,
+    fp8 page scales included) or two (2 shards: one in-process, one over NCCL): an fp8 or bf16 cache, a full layer
     with sinks and a windowed, soft-capped layer, PCP prefill, chunked prefill and decodes, vs the float64 oracle
-    (bf16 rel < 2e-2, fp8 e4m3 < 1e-1)."""
-    import cpattn
-    from conftest import service_config
-    from service_oracle import Oracle, relative_step
-
-    if gpus > torch.cuda.device_count():
-        pytest.skip(f"needs {gpus} GPUs")
-    cfg = service_config(num_shards=4 if gpus == 1 else 2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128,
-                         block_size=16, dtype="bfloat16", backend="TRITON", dcp_interleave=interleave, device="cuda",
-                         num_gpus_per_shard=0.25 if gpus == 1 else 1.0, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[None, 100],
-                         logits_soft_cap=[None, 30.0])
-    svc = cpattn.start(cfg)
-    try:
-        assert {s["backend"] for s in svc.info()["shards"]} == {"TRITON"}
-        # fp8 caches open in-process like bf16 ones
-        assert sorted(svc.gateway.local) == ([0, 1, 2, 3] if gpus == 1 else [0])
-        oracle = Oracle(cfg, seed=5)
-        oracle.sinks = {0: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
-        bound = 1e-1 if kv.startswith("fp8") else 2e-2
-        a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
-        for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 40, c: 1}, {a: 1, b: 1, c: 1}):
-            relative_step(svc, oracle, request, bound, f"{kv} I={interleave} {gpus} GPU(s)")
-    finally:
-        svc.shutdown()
-
-
-@pytest.mark.parametrize("kv,interleave,gpus", [("auto", 1, 1), ("fp8_e4m3", 16, 1), ("auto", 16, 2),
-                                                 ("fp8_e4m3", 1, 2)])
-@pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN"])
-def test_service_windows_beside_full_layers(ray_session, backend, kv, interleave, gpus):
-    """Sliding windows on FLASHINFER (a DCP shard's per-query windows as plans by count, its chunks masked) and on
-    FLASH_ATTN (its windowed layers on TRITON's kernels), with soft caps, sinks and an fp8 or bf16 cache: a windowed,
-    soft-capped layer beside a full one with sinks, through the service on one GPU (4 shards in the client's process)
-    or two (2 shards: one in-process, one over NCCL), PCP prefill, chunked prefill past the window and decodes, vs
-    the float64 oracle (bf16 rel < 2e-2, fp8 e4m3 < 1e-1)."""
+    (bf16 rel < 2e-2, fp8 e4m3 < 1e-1). FLASHINFER's windows: a DCP shard's per-query windows as plans by count, its
+    chunks masked; FLASH_ATTN's windowed layer on TRITON's kernels."""
     import cpattn
     from conftest import service_config
     from service_oracle import Oracle, relative_step
@@ -99,17 +66,19 @@ def test_service_windows_beside_full_layers(ray_session, backend, kv, interleave
     cfg = service_config(num_shards=4 if gpus == 1 else 2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128,
                          block_size=16, dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
                          num_gpus_per_shard=0.25 if gpus == 1 else 1.0, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[100, None],
-                         logits_soft_cap=[30.0, None])
+                         num_blocks_per_shard=256, pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[None, 100],
+                         logits_soft_cap=[None, 30.0])
     svc = cpattn.start(cfg)
     try:
         assert {s["backend"] for s in svc.info()["shards"]} == {backend}
-        oracle = Oracle(cfg, seed=12)
-        oracle.sinks = {1: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
+        # fp8 caches open in-process like bf16 ones
+        assert sorted(svc.gateway.local) == ([0, 1, 2, 3] if gpus == 1 else [0])
+        oracle = Oracle(cfg, seed=5)
+        oracle.sinks = {0: torch.linspace(-1.0, 2.0, 8, dtype=torch.float64)}
         bound = 1e-1 if kv.startswith("fp8") else 2e-2
         a, b, c = svc.add_sequence(), svc.add_sequence(), svc.add_sequence()
         for request in ({a: 300, b: 17}, {a: 1, b: 1, c: 130}, {a: 1, b: 140, c: 1}, {a: 1, b: 1, c: 1}):
-            relative_step(svc, oracle, request, bound, f"{backend} {kv} window I={interleave} {gpus} GPU(s)")
+            relative_step(svc, oracle, request, bound, f"{backend} {kv} I={interleave} {gpus} GPU(s)")
     finally:
         svc.shutdown()
 
