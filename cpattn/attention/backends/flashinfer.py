@@ -105,39 +105,27 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         ps = spec.block_size
         plain = [cap for cap, window in pairs if window is None]
         windowed = {}    # (cap, window) -> [(kind, window_left, plan inputs)], page ids still the cache's
+        # The host table (no device sync where the step kept it) for the windows' pages and an fp8 plan's renumbering.
+        host_table = common.table_on_host().to(torch.int64) if fp8 or len(pairs) > len(plain) else None
         for window in sorted({w for _, w in pairs if w is not None}):
             groups = window_groups(common, window, ps)
-            table = common.table_on_host().to(torch.int64)
-            inputs = [(kind, left, plan_inputs(vrs, table, ps), vrs) for (kind, left), vrs in groups.by_plan.items()]
+            inputs = [(kind, left, plan_inputs(vrs, host_table, ps), vrs)
+                      for (kind, left), vrs in groups.by_plan.items()]
             for cap, w in pairs:
                 if w == window:
                     windowed[(cap, window)] = inputs
-        qsl = common.query_start_loc_cpu.to(torch.int64)
-        seq_lens = common.seq_lens_cpu.to(torch.int64)
-        q_lens = qsl[1:] - qsl[:-1]
-        active = torch.nonzero((q_lens > 0) & (seq_lens > 0)).flatten()
-        act_qsl = torch.zeros(active.numel() + 1, dtype=torch.int64)
-        act_qsl[1:] = torch.cumsum(q_lens[active], 0)
-        split = split_decodes_and_prefills(act_qsl, decode_threshold=1)
-        req_order = active[split.request_order]
-        if active.numel():
-            act_tokens = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in active.tolist()])
-            token_order = act_tokens[split.token_order]
-        else:
-            token_order = torch.zeros(0, dtype=torch.int64)
-        identity = token_order.numel() == common.num_actual_tokens and bool(
-            (token_order == torch.arange(token_order.numel())).all())
-
-        lens = seq_lens[req_order]
-        num_pages = (lens + ps - 1) // ps
-        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-        indptr[1:] = torch.cumsum(num_pages, 0)
-        last_page_len = (lens - 1) % ps + 1
+        split, req_order, token_order, identity = self._plain_order(common) if plain else (None, None, None, True)
+        if plain:
+            lens = common.seq_lens_cpu.to(torch.int64)[req_order]
+            num_pages = (lens + ps - 1) // ps
+            indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+            indptr[1:] = torch.cumsum(num_pages, 0)
+            last_page_len = (lens - 1) % ps + 1
         fp8_pages = None
         if fp8:   # the plans read the scratch's pages 0..U-1: renumbered on the host
             read = [plan[2] for inputs in windowed.values() for _, _, plan, _ in inputs]
             if plain:
-                _, pages_read, _ = block_table_to_csr(common.table_on_host().to(torch.int64)[req_order], lens, ps)
+                _, pages_read, _ = block_table_to_csr(host_table[req_order], lens, ps)
                 read.append(pages_read)
             pages = torch.unique(torch.cat(read)) if read else torch.zeros(0, dtype=torch.int64)
             fp8_pages = pages.to(dev, non_blocking=True)
@@ -152,7 +140,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 indices = indices.to(torch.int32)
         i32 = torch.int32
 
-        nd, ndt = split.num_decodes, split.num_decode_tokens
+        nd, ndt = (split.num_decodes, split.num_decode_tokens) if plain else (0, 0)
         decodes, prefills = {}, {}
         for cap in plain:
             decode, prefill = self._wrappers(cap)
@@ -172,8 +160,27 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         return FlashInferMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping.to(dev, non_blocking=True),
             token_order=None if identity else token_order.to(dev, non_blocking=True),
-            num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens,
+            num_decode_tokens=ndt, num_prefill_tokens=split.num_prefill_tokens if plain else 0,
             decode_wrapper=decodes, prefill_wrapper=prefills, fp8_pages=fp8_pages, window_plans=window_plans)
+
+    @staticmethod
+    def _plain_order(common: CommonAttentionMetadata):
+        """The full layers' request and token order: requests with a key and a query, decodes first (batch_split);
+        (split, request order, token order, whether that order is the step's own)."""
+        qsl = common.query_start_loc_cpu.to(torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        active = torch.nonzero((q_lens > 0) & (common.seq_lens_cpu.to(torch.int64) > 0)).flatten()
+        act_qsl = torch.zeros(active.numel() + 1, dtype=torch.int64)
+        act_qsl[1:] = torch.cumsum(q_lens[active], 0)
+        split = split_decodes_and_prefills(act_qsl, decode_threshold=1)
+        if active.numel():
+            act_tokens = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in active.tolist()])
+            token_order = act_tokens[split.token_order]
+        else:
+            token_order = torch.zeros(0, dtype=torch.int64)
+        identity = token_order.numel() == common.num_actual_tokens and bool(
+            (token_order == torch.arange(token_order.numel())).all())
+        return split, active[split.request_order], token_order, identity
 
     def _kwargs(self, cap) -> dict:
         spec = self.spec
