@@ -7,7 +7,8 @@
 #   bash scripts/gpu_bench.sh prefill   # cp_scaling prefill cases, 1 and 2 GPUs (issue 18)          ~5 min
 #   bash scripts/gpu_bench.sh kernels   # Triton decode goals (fp8, window), shared-prefix run, user graphs ~3 min
 #   bash scripts/gpu_bench.sh flashinfer  # FLASHINFER's windows through the service: a windowed 1M decode, a chunk
-#                                         # of 8K onto 512K (masked plans on 2 GPUs) beside TRITON's; JIT ~2 min
+#                                         # of 8K onto 512K (masked plans on 2 GPUs) beside TRITON's; FlashInfer's
+#                                         # JIT on a fresh machine takes minutes (2026-12-05: 3 service tests, 389 s)
 # Extra arguments go to cp_scaling (decode, prefill parts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ case "$part" in
   flashinfer) n=$("$py" -c 'import torch; print(torch.cuda.device_count())')
               "$py" benchmarks/cp_scaling.py --gpus "$([ "$n" -ge 2 ] && echo 1,2 || echo 1)" --repeats 20 \
                 --json "$out/cp_scaling_flashinfer.json" \
-                --cases decode_1m_w4096_flashinfer,chunked_8k_on_512k_w4096_flashinfer,chunked_8k_on_512k_w4096 "$@" 2>&1 | quiet ;;
+                --cases decode_1m_w4096_flashinfer,chunked_8k_on_512k_w4096_flashinfer,chunked_8k_on_512k_w4096 \
+                "$@" 2>&1 | quiet ;;
   *) echo "usage: bash scripts/gpu_bench.sh {decode|prefill|kernels|flashinfer} [cp_scaling args]" >&2; exit 1 ;;
 esac
