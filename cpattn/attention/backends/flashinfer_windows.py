@@ -98,17 +98,19 @@ def _add_chunk(groups: WindowGroups, causal: bool, r: int, qs: int, m: int, n: i
 def plan_inputs(vrs: list[VirtualRequest], table_BW: torch.Tensor, page_size: int):
     """FlashInfer's CSR of ``vrs`` on the host: qo_indptr, page indptr, cache page ids (int64), last_page_len,
     and the step rows of the plan's queries in order (no per-request tensor work: a decode step's B at once)."""
-    req, first_row, num_rows, key_start, key_end = (torch.tensor(x, dtype=torch.int64) for x in zip(
-        *[(vr.request, vr.first_row, vr.num_rows, vr.key_start, vr.key_end) for vr in vrs]))
+    req, first_row, num_rows, key_start, key_end = torch.tensor(
+        [(vr.request, vr.first_row, vr.num_rows, vr.key_start, vr.key_end) for vr in vrs], dtype=torch.int64).T
     qo = torch.zeros(len(vrs) + 1, dtype=torch.int64)
-    qo[1:] = torch.cumsum(num_rows, 0)
+    torch.cumsum(num_rows, 0, out=qo[1:])
     rows = torch.repeat_interleave(first_row - qo[:-1], num_rows) + torch.arange(int(qo[-1]))
-    first_page, num_pages = key_start // page_size, -(-key_end // page_size) - key_start // page_size
+    first_page = key_start // page_size
+    num_pages = -(-key_end // page_size) - first_page
     indptr = torch.zeros(len(vrs) + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(num_pages, 0)
-    cols = first_page[:, None] + torch.arange(int(num_pages.max()))[None, :]
-    taken = cols < (first_page + num_pages)[:, None]
-    ids = table_BW[req[:, None].expand_as(cols)[taken], cols[taken]].to(torch.int64)
+    torch.cumsum(num_pages, 0, out=indptr[1:])
+    # Each page's index into the flattened table, built as one run per request (a 1-D gather: a 2-D boolean-masked
+    # one cost 0.74 ms against 0.50 for B=64 decodes under W=4096, one thread, 2026-12-05).
+    flat = torch.repeat_interleave(req * table_BW.shape[1] + first_page - indptr[:-1], num_pages)
+    ids = table_BW.reshape(-1)[flat + torch.arange(int(indptr[-1]))].to(torch.int64)
     last = (key_end - key_start - 1) % page_size + 1
     return qo, indptr, ids, last, rows
 
