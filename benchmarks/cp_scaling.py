@@ -22,7 +22,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -41,7 +41,9 @@ class Case:
     new: int         # new tokens per sequence in the step
     backend: str     # kernel for the 1-GPU reference and the service
     kv: str = "auto"             # kv_cache_dtype (fp8_e4m3: one byte per element, per-page scales)
-    window: int | None = None    # a sliding window on every layer (global positions)
+    window: int | None = None    # a sliding window (global positions) on every layer, or every window_every-th
+    window_every: int = 1        # 2: layers 1, 3, 5, ... windowed, the others full (Gemma-2's alternation)
+    prefill: str = "auto"        # ServiceConfig.prefill_backend
 
 
 CASES = {
@@ -62,6 +64,13 @@ CASES = {
     # TRITON's windowed chunk beside it: the prefill selector's auto pick for windowed models (TRITON until a
     # faster backend is timed; FLASH_ATTN's windowed layers run on TRITON's kernel).
     "chunked_8k_on_512k_w4096": Case("chunked_8k_on_512k_w4096", 1, 524288, 8192, "TRITON", window=4096),
+    # A model of full and windowed layers (Gemma-2's alternation), chunked: prefill auto (TRITON prefills every layer,
+    # as long as FLASH_ATTN's auto_prefill_with_windows is False) against FLASH_ATTN named (its full layers on
+    # FlashAttention, its windowed ones on TRITON's kernels): the timing that decides that flag.
+    "chunked_8k_on_512k_alt4096": Case("chunked_8k_on_512k_alt4096", 1, 524288, 8192, "TRITON", window=4096,
+                                       window_every=2),
+    "chunked_8k_on_512k_alt4096_flash_attn": Case("chunked_8k_on_512k_alt4096_flash_attn", 1, 524288, 8192, "TRITON",
+                                                  window=4096, window_every=2, prefill="FLASH_ATTN"),
     "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),
     "prefill_128k": Case("prefill_128k", 1, 0, 131072, "FLASH_ATTN"),
     "chunked_8k_on_512k": Case("chunked_8k_on_512k", 1, 524288, 8192, "FLASH_ATTN"),
@@ -82,6 +91,8 @@ SMOKE_CASES = {
     "chunked_smoke": Case("chunked_smoke", 1, 200, 40, "TORCH"),
     "decode_fp8_w64_smoke": Case("decode_fp8_w64_smoke", 2, 300, 1, "TORCH", kv="fp8_e4m3", window=64),
     "chunked_fp8_w64_smoke": Case("chunked_fp8_w64_smoke", 1, 200, 40, "TORCH", kv="fp8_e4m3", window=64),
+    "chunked_alt64_smoke": Case("chunked_alt64_smoke", 1, 200, 40, "TORCH", window=64, window_every=2,
+                                prefill="TORCH"),
 }
 
 
@@ -90,6 +101,17 @@ def use_smoke_shapes() -> None:
     HQ, HK, D, BLOCK, DEVICE, DTYPE = 4, 2, 16, 16, "cpu", torch.float32
     RUN_STEPS = 8   # runs of 4 and 8 steps: every path of a decode run in a few steps
     KV_BYTES_PER_TOKEN_LAYER = 2 * HK * D * 4
+
+
+def layer_windows(case: Case, layers: int) -> list[int | None]:
+    """ServiceConfig.sliding_window for the case's ``layers`` layers."""
+    return [case.window if i % case.window_every == case.window_every - 1 else None for i in range(layers)]
+
+
+def kernel_backend(case: Case) -> str:
+    """The backend the service runs the case's step on: its prefill backend where one is named and the step
+    prefills, else its decode backend."""
+    return case.prefill if case.prefill not in ("auto", "same") and case.new > 1 else case.backend
 
 
 def _features(case: Case) -> dict:
@@ -162,7 +184,13 @@ def _fits_one_gpu(case: Case, budget_gb: float) -> bool:
 def kernel_ms(case: Case, backend: str, repeats: int) -> tuple[float, float]:
     """One backend call on cuda:0 over the whole (unsharded) batch: causal, context + new tokens. Returns the
     eager call (launches included, as a caller without graphs pays them) and the same call replayed from a CUDA
-    graph (the kernels alone, as the service's graphed decode runs them; nan where the call cannot be captured)."""
+    graph (the kernels alone, as the service's graphed decode runs them; nan where the call cannot be captured).
+    A case of full and windowed layers: their mean, in the model's proportion."""
+    if case.window_every > 1:
+        full = kernel_ms(replace(case, window=None, window_every=1), backend, repeats)
+        windowed = kernel_ms(replace(case, window_every=1), backend, repeats)
+        k = case.window_every
+        return tuple(((k - 1) * f + w) / k for f, w in zip(full, windowed))
     from cpattn.attention import AttentionSpec, get_attn_backend, make_causal_metadata
 
     cls = get_attn_backend(backend, head_size=D, dtype=DTYPE, block_size=BLOCK, num_q_heads=HQ,
@@ -239,8 +267,8 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
 
     groups = [[c] for c in cases]
     if one_service:            # one service per KV format and window (service-wide settings)
-        settings = list(dict.fromkeys((c.kv, c.window) for c in cases))
-        groups = [[c for c in cases if (c.kv, c.window) == kw] for kw in settings]
+        settings = list(dict.fromkeys((c.kv, c.window, c.window_every, c.prefill) for c in cases))
+        groups = [[c for c in cases if (c.kv, c.window, c.window_every, c.prefill) == kw] for kw in settings]
     planned = []
     for i, group in enumerate(groups):
         layers = min(layers_that_fit(c, gpus, wanted_layers, budget_gb, repeats) for c in group)
@@ -255,7 +283,8 @@ def plan_services(gpus: int, cases: list[Case], wanted_layers: int, repeats: int
                                    shard_hang_timeout_s=600, pcp_min_tokens=2048 if gpu else 32,
                                    # one step of the case, whatever its size (the default caps steps at 16K)
                                    max_tokens_per_step=max(16384, *(c.batch * c.new for c in group)),
-                                   kv_cache_dtype=group[0].kv, sliding_window=group[0].window,
+                                   kv_cache_dtype=group[0].kv, sliding_window=layer_windows(group[0], layers),
+                                   prefill_backend=group[0].prefill,
                                    prefill_wire=prefill_wire, pcp_wire_flops_per_byte=wire_flops,
                                    decode_run_steps=RUN_STEPS, decode_run_extend=RUN_EXTEND)
         planned.append(Planned(gpus, group, layers, backends, cfg))
@@ -339,7 +368,8 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
     # and the mean charges it to every step as a decode loop pays it.
     wall = statistics.fmean(walls)
     return {"case": case.name, "gpus": gpus, "batch": case.batch, "context": case.context, "new": case.new,
-            "kv_cache_dtype": case.kv, "window": case.window, "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
+            "kv_cache_dtype": case.kv, "window": case.window, "window_every": case.window_every,
+            "prefill_backend": svc.config.prefill_backend, "layers": layers, "backend": backend, "local_shards": sorted(gw.local),
             "data_plane": gw.plane.backend if gw.plane else "none",
             "local_graphs": [g.key for g in gw.local_graphs.values() if g is not None and g.key],
             "ms_per_layer": 1e3 * wall / layers, "step_ms": 1e3 * wall,
@@ -418,12 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     # then costs only its own actors, not a Ray start and shutdown each.
     from cpattn.cluster.service import ensure_ray
 
-    ensure_ray(None, "cpattn", num_cpus_hint=max(map(int, args.gpus.split(","))) * (1 if gpu else 0.25))
-    kernels = {c.name: (kernel_ms(c, usable_backend(c.backend, c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
+    kernels = {c.name: (kernel_ms(c, usable_backend(kernel_backend(c), c), args.repeats) if _fits_one_gpu(c, args.kv_budget_gb)
                         else (float("nan"), float("nan"))) for c in cases}
     planned = [p for gpus in map(int, args.gpus.split(","))
                for p in plan_services(gpus, cases, args.layers, args.repeats, args.kv_budget_gb, one_service=args.smoke,
                                       prefill_wire=args.prefill_wire, wire_flops=args.pcp_wire_flops_per_byte)]
+    # CPUs for the shards of the services up at once: all of them with --smoke (concurrent starts), else the largest.
+    cpus = [p.config.num_shards * p.config.num_cpus_per_shard for p in planned]
+    ensure_ray(None, "cpattn", num_cpus_hint=sum(cpus) if args.smoke else max(cpus))
     rows = []
     for row in service_rows(planned, args.repeats, concurrent_starts=args.smoke):
         row["kernel_ms"], row["kernel_graph_ms"] = kernels[row["case"]]

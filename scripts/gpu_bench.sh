@@ -9,6 +9,10 @@
 #   bash scripts/gpu_bench.sh flashinfer  # FLASHINFER's windows through the service: a windowed 1M decode, a chunk
 #                                         # of 8K onto 512K (masked plans on 2 GPUs) beside TRITON's; FlashInfer's
 #                                         # JIT on a fresh machine takes minutes (2026-12-05: 3 service tests, 389 s)
+#   bash scripts/gpu_bench.sh windows   # a chunk of 8K onto 512K of a model whose every other layer has a 4,096
+#                                       # window: prefill auto (TRITON) vs FLASH_ATTN named (FlashAttention's full
+#                                       # layers beside TRITON's windowed ones): decides FLASH_ATTN's
+#                                       # auto_prefill_with_windows                                      ~2 min
 # Extra arguments go to cp_scaling (decode, prefill parts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +40,9 @@ case "$part" in
                 --json "$out/cp_scaling_flashinfer.json" \
                 --cases decode_1m_w4096_flashinfer,chunked_8k_on_512k_w4096_flashinfer,chunked_8k_on_512k_w4096 \
                 "$@" 2>&1 | quiet ;;
-  *) echo "usage: bash scripts/gpu_bench.sh {decode|prefill|kernels|flashinfer} [cp_scaling args]" >&2; exit 1 ;;
+  windows) n=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+           "$py" benchmarks/cp_scaling.py --gpus "$([ "$n" -ge 2 ] && echo 1,2 || echo 1)" --repeats 10 \
+             --json "$out/cp_scaling_windows.json" \
+             --cases chunked_8k_on_512k_alt4096,chunked_8k_on_512k_alt4096_flash_attn "$@" 2>&1 | quiet ;;
+  *) echo "usage: bash scripts/gpu_bench.sh {decode|prefill|kernels|flashinfer|windows} [cp_scaling args]" >&2; exit 1 ;;
 esac

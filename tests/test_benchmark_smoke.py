@@ -29,8 +29,10 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
     rows = _smoke_rows(tmp_path, "cp_scaling.py")
     got = {(r["case"], r["gpus"]) for r in rows}
     cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke", "decode_fp8_w64_smoke",
-             "chunked_fp8_w64_smoke"}
+             "chunked_fp8_w64_smoke", "chunked_alt64_smoke"}
     assert got == {(c, g) for c in cases for g in (1, 2)}
+    alt = [r for r in rows if r["case"] == "chunked_alt64_smoke"]   # full and windowed layers, the prefill named
+    assert all(r["window_every"] == 2 and r["prefill_backend"] == "TORCH" for r in alt), alt
     for r in rows:
         assert r["ms_per_layer"] > 0 and math.isfinite(r["kernel_ms"]) and r["plan_ms_per_step"] > 0, r
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
