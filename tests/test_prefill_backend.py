@@ -112,8 +112,8 @@ def test_same_auto_and_names(doubles):
     assert select_prefill_backend(service_config(), decode) is decode                 # same, the default
     assert select_prefill_backend(cpu, decode, prefill_backend="PAGES16_BASE2") is Pages16Base2Backend
     # auto on CUDA, judged on the settings (platform_here=False): FLASH_ATTN beside TRITON, an fp8 cache too (its
-    # pages dequantised for the kernel); where FLASH_ATTN cannot serve (a window), the decode backend (FLASHINFER
-    # serves windows when named, but auto does not take it for them until its windowed plans are timed on a GPU).
+    # pages dequantised for the kernel), and windows (its windowed layers on TRITON's kernels: timed faster for a
+    # model of full and windowed layers, RESULTS.md "Session 22").
     gpu = gpu_config(backend="TRITON", prefill_backend="auto")
     triton = select_backend(gpu, platform_here=False)
     assert select_prefill_backend(gpu, triton, platform_here=False).get_name() == "FLASH_ATTN"
@@ -121,7 +121,18 @@ def test_same_auto_and_names(doubles):
     assert select_prefill_backend(fp8, triton, platform_here=False).get_name() == "FLASH_ATTN"
     for settings in (dict(sliding_window=64), dict(kv_cache_dtype="fp8_e4m3", sliding_window=64)):
         cfg = gpu_config(backend="TRITON", prefill_backend="auto", **settings)
-        assert select_prefill_backend(cfg, triton, platform_here=False) is triton
+        assert select_prefill_backend(cfg, triton, platform_here=False).get_name() == "FLASH_ATTN"
+    # A backend whose windowed prefill auto may not take (the flag off) is passed over for windows only.
+    from cpattn.attention.backends.flash_attn import FlashAttentionBackend
+    from cpattn.attention.backends.flashinfer import FlashInferBackend
+
+    windowed = gpu_config(backend="TRITON", prefill_backend="auto", sliding_window=64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FlashAttentionBackend, "auto_prefill_with_windows", False)
+        assert select_prefill_backend(windowed, triton, platform_here=False) is FlashInferBackend
+        assert select_prefill_backend(gpu, triton, platform_here=False) is FlashAttentionBackend
+        mp.setattr(FlashInferBackend, "auto_prefill_with_windows", False)
+        assert select_prefill_backend(windowed, triton, platform_here=False) is triton
     # A backend slower at prefill than the decode backend is never auto's choice.
     flashinfer = select_backend(gpu_config(backend="FLASHINFER"), platform_here=False)
     assert select_prefill_backend(gpu_config(backend="FLASHINFER", prefill_backend="auto"), flashinfer,

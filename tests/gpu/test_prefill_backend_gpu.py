@@ -63,3 +63,33 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
         assert all(g is not None and g.key is not None for g in gw.local_graphs.values())
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_prefill_auto_with_windows_takes_flash_attn_and_matches_float64(ray_session, gpus):
+    """prefill_backend auto for a model of a full and a windowed, soft-capped layer (Gemma-2's shape) takes
+    FLASH_ATTN beside decode TRITON (timed faster: RESULTS.md "Session 22"); its windowed layer runs on TRITON's
+    kernels on the same cache; prefill chunks past the window, a mixed step and decodes vs the float64 oracle."""
+    import cpattn
+    from conftest import service_config
+    from service_oracle import Oracle, relative_step
+
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    if gpus > torch.cuda.device_count():
+        pytest.skip(f"needs {gpus} GPUs")
+    cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="auto",
+                         num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
+                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0,
+                         sliding_window=[None, 100], logits_soft_cap=[None, 30.0])
+    svc = cpattn.start(cfg)
+    try:
+        assert {(s["backend"], s["prefill_backend"]) for s in svc.info()["shards"]} == {("TRITON", "FLASH_ATTN")}
+        oracle = Oracle(cfg, seed=7)
+        ids = {name: svc.add_sequence() for name in "abc"}
+        for named in REQUESTS:
+            relative_step(svc, oracle, {ids[n]: t for n, t in named.items()}, 2e-2, f"{gpus} GPU(s) {named}")
+    finally:
+        svc.shutdown()

@@ -290,8 +290,9 @@ class FlashInferBackend(AttentionBackend):
     # fp8 pages are dequantised per layer into a scratch the wrappers read (the module's docstring says why).
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")
     supports_sliding_window = True           # window_left per plan, a shard's per-query windows as virtual requests
-    # Its windowed prefill (a masked plan under DCP) is not yet timed on a GPU: auto keeps the decode backend there.
-    auto_prefill_with_windows = False
+    # Timed on one GPU: a windowed chunk of 8K onto 512K (W 4,096 on every layer), 3.63 ms/layer vs TRITON's 3.81
+    # (one H200, 2026-12-05, RESULTS.md "Session 22"); its masked plans under DCP are exact there, not yet timed on 2.
+    auto_prefill_with_windows = True
 
     @classmethod
     def get_supported_kernel_block_sizes(cls):
