@@ -383,6 +383,9 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             # The slowest opening and step measured: a run's start or a segment's planned step (a decode loop's
             # latency spikes), which a mean spreads out
             "begin_ms_max": 1e3 * max(begins), "step_ms_max": 1e3 * max(walls),
+            # Opening by phase (begin_rpc: the coordinator's round trip; flush: the previous commit's answer read;
+            # local_plans: the in-process shards' plans; ...), means over the measured steps.
+            "begin_parts_ms": _mean_parts([t.get("begin_parts", {}) for t in timings]),
             # The caller's time inside one attend call: above the kernel's time per layer, the host sets the pace
             "attend_ms_per_layer": 1e3 * statistics.fmean(t["data_plane_s"] for t in timings) / layers,
             # The caller's time to end a step (wait for the device, the NaN flags, the commit sent): with begin and
@@ -391,6 +394,11 @@ def _measure(svc, case: Case, gpus: int, layers: int, repeats: int, backend: str
             # What the client sent its remote shards per layer (the broadcast, or each rank's own rows: issue 18).
             "sent_mb_per_layer": statistics.fmean(sent) / layers / 1e6,
             "prefill_wire": svc.config.prefill_wire, "pcp_wire_flops_per_byte": svc.config.pcp_wire_flops_per_byte}
+
+
+def _mean_parts(parts: list[dict]) -> dict:
+    names = dict.fromkeys(name for p in parts for name in p)
+    return {name: 1e3 * statistics.fmean(p.get(name, 0.0) for p in parts) for name in names}
 
 
 def _fmt(r: dict) -> str:

@@ -38,6 +38,8 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
         assert 0 < r["begin_ms_per_step"] < r["step_ms"] and math.isnan(r["kernel_graph_ms"]), r   # no graphs on CPU
         assert r["begin_ms_per_step"] <= r["begin_ms_max"] < r["step_ms_max"] and r["step_ms"] <= r["step_ms_max"], r
         assert 0 < r["attend_ms_per_layer"] < r["ms_per_layer"], r
+        parts = r["begin_parts_ms"]   # phases, some within others ("begin" holds "begin_rpc"): each within begin
+        assert "begin" in parts and all(0 <= v <= r["begin_ms_per_step"] * 1.01 + 1e-3 for v in parts.values()), r
         assert r["data_plane"] == "gloo", r       # CPU shards are reached over gloo
         if r["case"].startswith("decode"):   # whole segments of one extended run: no begin_step while measured
             n = r["decode_run_steps"]
