@@ -27,13 +27,10 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("gpus,kv", [(1, "auto"), (2, "auto"), (1, "fp8_e4m3"), (2, "fp8_e4m3")])
-def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpus, kv):
-    """kv fp8_e4m3: FLASH_ATTN reads the step's pages dequantised (kvstore.fp8.dequantize_pages), TRITON its fp8
-    pages; bound 1e-1 (the README's e4m3 bound) instead of bf16's 1e-2."""
-    import cpattn
+def _config(gpus: int, **fields):
+    """Two shards on one GPU (both computed in the client's process) or two, decode TRITON; skips where FLASH_ATTN
+    or TRITON cannot serve or the GPUs are missing."""
     from conftest import service_config
-    from service_oracle import Oracle, relative_step
 
     why = _why_not()
     if why:
@@ -41,11 +38,20 @@ def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpu
     if gpus > torch.cuda.device_count():
         pytest.skip(f"needs {gpus} GPUs")
     # Long timeouts: FA4 compiles its kernels on first use, in the remote shard's process too.
-    cfg = service_config(num_shards=2, num_layers=3, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="FLASH_ATTN",
-                         num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0,
-                         kv_cache_dtype=kv)
+    return service_config(num_shards=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype="bfloat16",
+                          device="cuda", backend="TRITON", num_gpus_per_shard=1.0 if gpus == 2 else 0.5,
+                          num_cpus_per_shard=0.5, num_blocks_per_shard=256, pcp_min_tokens=64,
+                          collective_timeout_s=300.0, rpc_timeout_s=300.0, **fields)
+
+
+@pytest.mark.parametrize("gpus,kv", [(1, "auto"), (2, "auto"), (1, "fp8_e4m3"), (2, "fp8_e4m3")])
+def test_prefill_on_flash_attn_decode_on_triton_matches_float64(ray_session, gpus, kv):
+    """kv fp8_e4m3: FLASH_ATTN reads the step's pages dequantised (kvstore.fp8.dequantize_pages), TRITON its fp8
+    pages; bound 1e-1 (the README's e4m3 bound) instead of bf16's 1e-2."""
+    import cpattn
+    from service_oracle import Oracle, relative_step
+
+    cfg = _config(gpus, num_layers=3, prefill_backend="FLASH_ATTN", kv_cache_dtype=kv)
     bound = 1e-2 if kv == "auto" else 1e-1
     svc = cpattn.start(cfg)
     try:
@@ -71,19 +77,9 @@ def test_prefill_auto_with_windows_takes_flash_attn_and_matches_float64(ray_sess
     FLASH_ATTN beside decode TRITON (timed faster: RESULTS.md "Session 22"); its windowed layer runs on TRITON's
     kernels on the same cache; prefill chunks past the window, a mixed step and decodes vs the float64 oracle."""
     import cpattn
-    from conftest import service_config
     from service_oracle import Oracle, relative_step
 
-    why = _why_not()
-    if why:
-        pytest.skip(why)
-    if gpus > torch.cuda.device_count():
-        pytest.skip(f"needs {gpus} GPUs")
-    cfg = service_config(num_shards=2, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype="bfloat16", device="cuda", backend="TRITON", prefill_backend="auto",
-                         num_gpus_per_shard=1.0 if gpus == 2 else 0.5, num_cpus_per_shard=0.5,
-                         num_blocks_per_shard=256, pcp_min_tokens=64, collective_timeout_s=300.0, rpc_timeout_s=300.0,
-                         sliding_window=[None, 100], logits_soft_cap=[None, 30.0])
+    cfg = _config(gpus, num_layers=2, prefill_backend="auto", sliding_window=[None, 100], logits_soft_cap=[None, 30.0])
     svc = cpattn.start(cfg)
     try:
         assert {(s["backend"], s["prefill_backend"]) for s in svc.info()["shards"]} == {("TRITON", "FLASH_ATTN")}
