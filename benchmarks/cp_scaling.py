@@ -60,15 +60,16 @@ CASES = {
     # shard, a masked plan on each of two.
     "decode_1m_w4096_flashinfer": Case("decode_1m_w4096_flashinfer", 1, 1048576, 1, "FLASHINFER", window=4096),
     "chunked_8k_on_512k_w4096_flashinfer": Case("chunked_8k_on_512k_w4096_flashinfer", 1, 524288, 8192,
-                                                "FLASHINFER", window=4096),
-    # TRITON's windowed chunk beside it: the prefill selector's auto pick for windowed models (TRITON until a
-    # faster backend is timed; FLASH_ATTN's windowed layers run on TRITON's kernel).
-    "chunked_8k_on_512k_w4096": Case("chunked_8k_on_512k_w4096", 1, 524288, 8192, "TRITON", window=4096),
-    # A model of full and windowed layers (Gemma-2's alternation), chunked: prefill auto (TRITON prefills every layer,
-    # as long as FLASH_ATTN's auto_prefill_with_windows is False) against FLASH_ATTN named (its full layers on
-    # FlashAttention, its windowed ones on TRITON's kernels): the timing that decides that flag.
+                                                "FLASHINFER", window=4096, prefill="same"),
+    # TRITON's windowed chunk beside it (prefill same: auto would take FLASH_ATTN, whose windowed layers run on
+    # TRITON's kernels; FLASHINFER's row above is prefilled by FLASHINFER for the same reason).
+    "chunked_8k_on_512k_w4096": Case("chunked_8k_on_512k_w4096", 1, 524288, 8192, "TRITON", window=4096,
+                                     prefill="same"),
+    # A model of full and windowed layers (Gemma-2's alternation), chunked: TRITON prefilling every layer against
+    # FLASH_ATTN (its full layers on FlashAttention, its windowed ones on TRITON's kernels): the timing that set
+    # FLASH_ATTN's auto_prefill_with_windows (RESULTS.md "Session 22").
     "chunked_8k_on_512k_alt4096": Case("chunked_8k_on_512k_alt4096", 1, 524288, 8192, "TRITON", window=4096,
-                                       window_every=2),
+                                       window_every=2, prefill="same"),
     "chunked_8k_on_512k_alt4096_flash_attn": Case("chunked_8k_on_512k_alt4096_flash_attn", 1, 524288, 8192, "TRITON",
                                                   window=4096, window_every=2, prefill="FLASH_ATTN"),
     "prefill_32k": Case("prefill_32k", 1, 0, 32768, "FLASH_ATTN"),

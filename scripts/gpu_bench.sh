@@ -10,8 +10,8 @@
 #                                         # of 8K onto 512K (masked plans on 2 GPUs) beside TRITON's; FlashInfer's
 #                                         # JIT on a fresh machine takes minutes (2026-12-05: 3 service tests, 389 s)
 #   bash scripts/gpu_bench.sh windows   # a chunk of 8K onto 512K of a model whose every other layer has a 4,096
-#                                       # window: prefill auto (TRITON) vs FLASH_ATTN named (FlashAttention's full
-#                                       # layers beside TRITON's windowed ones): decides FLASH_ATTN's
+#                                       # window: TRITON prefilling vs FLASH_ATTN (FlashAttention's full layers
+#                                       # beside TRITON's windowed ones): what set FLASH_ATTN's
 #                                       # auto_prefill_with_windows                                      ~2 min
 # Extra arguments go to cp_scaling (decode, prefill parts).
 set -uo pipefail
