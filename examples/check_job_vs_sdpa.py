@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from job_args import default_gpus_per_shard  # noqa: E402
-from job_models import build_model  # noqa: E402
+from job_attention import probe_layers  # noqa: E402
+from job_models import NoSdpaError, build_model  # noqa: E402
 from job_sdpa import SdpaLM  # noqa: E402
 from long_context_job import CpattnLM, make_prompt, service_config_on  # noqa: E402
 
@@ -136,15 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     gpus = args.gpus_per_shard if args.gpus_per_shard is not None else (default_gpus_per_shard() if cuda else 0.0)
     t0 = time.perf_counter()
-    model = build_model(args.model, args.seed, args.layers, args.dtype, device, attn="sdpa")
+    try:
+        model, reference_attn = build_model(args.model, args.seed, args.layers, args.dtype, device, attn="sdpa"), "sdpa"
+    except NoSdpaError as exc:   # Gemma 2: the reference is transformers' eager attention
+        print(f"{exc}: the reference runs transformers' eager attention", flush=True)
+        reference_attn = "eager"
+        model = build_model(args.model, args.seed, args.layers, args.dtype, device, attn=reference_attn)
     prompt = make_prompt(model.config.vocab_size, args.prompt_len, args.batch, args.seed)
 
-    sdpa_logits, tokens = logits_per_step(SdpaLM(model, args.batch), prompt, args.chunk_size, args.decode_steps)
+    sdpa_logits, tokens = logits_per_step(SdpaLM(model, args.batch, reference_attn), prompt, args.chunk_size,
+                                          args.decode_steps)
     fp32_logits = None
     if not args.no_fp32 and args.dtype != "float32":
         reference = copy.deepcopy(model).float()
-        fp32_logits, _ = logits_per_step(SdpaLM(reference, args.batch), prompt, args.chunk_size, args.decode_steps,
-                                         forced=tokens)
+        fp32_logits, _ = logits_per_step(SdpaLM(reference, args.batch, reference_attn), prompt, args.chunk_size,
+                                         args.decode_steps, forced=tokens)
         del reference
         if cuda:
             torch.cuda.empty_cache()
@@ -155,12 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                                   kv_cache_dtype=args.kv_cache_dtype, cpus_per_shard=1.0 if cuda else 0.5,
                                   gpus_per_shard=gpus, placement_strategy="PACK", pcp_min_tokens=256,
                                   device=args.device, address=None)
-    cfg, _ = service_config_on(model.config, job_args, args.dtype, args.prompt_len + args.decode_steps)
+    layers = probe_layers(model)   # windows, soft caps, scales and sinks of the model's layers
+    cfg, _ = service_config_on(model.config, job_args, args.dtype, args.prompt_len + args.decode_steps, layers)
     svc = cpattn.start(cfg)
     try:
         backend = svc.info()["shards"][0]["backend"]
         prefill_backend = svc.info()["shards"][0]["prefill_backend"]
-        lm = CpattnLM(model, svc, args.batch)
+        lm = CpattnLM(model, svc, args.batch, sinks=any(layers.sinks))
         cp_logits, _ = logits_per_step(lm, prompt, args.chunk_size, args.decode_steps, forced=tokens)
         local = sorted(svc.gateway.local)
         wire = svc.gateway.plane.backend if svc.gateway.plane else "none"
@@ -170,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     report = compare(cp_logits, sdpa_logits, fp32_logits, args.floor_factor, args.abs_tol, args.max_rel_diff)
     report.update(model=args.model, layers=model.config.num_hidden_layers, dtype=args.dtype, prompt_len=args.prompt_len,
                   chunk_size=args.chunk_size, shards=args.shards, backend=backend, prefill_backend=prefill_backend,
-                  local_shards=local, data_plane=wire,
+                  local_shards=local, data_plane=wire, reference_attn=reference_attn,
                   kv_cache_dtype=args.kv_cache_dtype, sdpa_tokens=tokens.tolist(), wall_s=time.perf_counter() - t0)
     print(json.dumps({k: v for k, v in report.items() if k not in ("sdpa_tokens", "per_step_rel_diff_vs_sdpa")}))
-    print("check: cpattn matches SDPA within bf16 tolerance" if report["ok"]
+    print(f"check: cpattn matches transformers' {reference_attn} within bf16 tolerance" if report["ok"]
           else "check: FAILED (see the numbers above)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1))

@@ -67,9 +67,25 @@ def build_model(model_path: str | None = None, seed: int = 0, num_layers: int | 
     from transformers import AutoModelForCausalLM
 
     extra = {"num_hidden_layers": num_layers} if num_layers else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation=attn,
-                                                 local_files_only=True, device_map=str(device), **extra)
-    return model.eval()
+    # device_map loads the weights straight onto the GPU but needs accelerate (not a dependency of cpattn):
+    # without it the weights are read into host memory and moved.
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is not None:
+        extra["device_map"] = str(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation=attn,
+                                                     local_files_only=True, **extra)
+    except ValueError as exc:   # e.g. Gemma 2: transformers runs its soft caps in eager attention only
+        if attn == "sdpa" and "scaled_dot_product_attention" in str(exc):
+            raise NoSdpaError(f"{model_path}: transformers has no SDPA attention for this model "
+                              f"({str(exc).split(' does not support')[0]})") from exc
+        raise
+    return model.to(device).eval()
+
+
+class NoSdpaError(ValueError):
+    """transformers offers no SDPA attention for this model (only eager and its own kernels)."""
 
 
 def weight_bytes(model) -> int:
@@ -91,13 +107,3 @@ def describe(model, name: str) -> dict:
             "vocab": c.vocab_size, "rope_theta": rope_theta(c), "params": sum(p.numel() for p in model.parameters()),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
-
-def check_supported(model_config) -> list[str]:
-    """What cpattn cannot run for this model (empty when it can)."""
-    reasons = []
-    if getattr(model_config, "sliding_window", None):
-        reasons.append(f"sliding_window={model_config.sliding_window}: cpattn attends to the whole history")
-    for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):
-        if getattr(model_config, name, None):
-            reasons.append(f"{name}={getattr(model_config, name)}: custom softcap/scale are not supported yet")
-    return reasons

@@ -16,10 +16,11 @@ class SdpaLM:
     """Same interface as CpattnLM (``forward``, ``position``, ``free``): the KV lives in a transformers
     DynamicCache on the model's device, attention is torch's scaled_dot_product_attention."""
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, batch: int, attn: str = "sdpa"):
+        """``attn``: transformers' attention implementation (eager for a model with no SDPA, e.g. Gemma 2)."""
         from transformers import DynamicCache
 
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(attn)
         self.model = model
         self.device = next(model.parameters()).device
         self.batch = batch

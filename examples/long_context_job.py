@@ -1,4 +1,5 @@
-"""Long-context inference with a Hugging Face Llama-architecture decoder whose attention runs on cpattn.
+"""Long-context inference with a Hugging Face Llama-family decoder (Llama, Mistral, Gemma 2, Qwen2, gpt-oss) whose
+attention runs on cpattn.
 
 The model's own projections, RoPE, MLPs and sampling run here; every attention layer runs on a cpattn
 service through transformers' attention interface (``AttentionInterface.register("cpattn", ...)``).
@@ -40,51 +41,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # its sibling modules, however this file is loaded
 from job_args import parser, resolve  # noqa: E402
-from job_models import (build_model, check_supported, describe, kv_bytes_per_token,  # noqa: E402,F401
-                        tiny_llama_config, weight_bytes)
+from job_attention import ATTENTION, ATTN_IMPLEMENTATION, _one_or_per_layer, probe_layers  # noqa: E402,F401
+from job_models import (NoSdpaError, build_model, describe, kv_bytes_per_token, tiny_llama_config,  # noqa: E402,F401
+                        weight_bytes)
 from job_report import GIB, Progress, environment, peak_gpu_gib, phase_rates, summary_table  # noqa: E402
 from job_sdpa import SdpaLM  # noqa: E402
 
 from cpattn.errors import CpattnError  # noqa: E402
 
-ATTN_IMPLEMENTATION = "cpattn"
 # GPU memory the client needs beside the model and the KV of the shard on its GPU: an 8K-token chunk's
 # activations (the MLP's [T, 14336] pair dominates), the attention partials and the kernels' workspace.
 CLIENT_HEADROOM_BYTES = 6 * GIB
-
-
-class StepAttention:
-    """The attention function transformers calls per layer; it forwards to the open cpattn step.
-
-    transformers passes query [B, Hq, T, D] and key/value [B, Hk, T, D] of the forward's new tokens
-    (no transformers cache: cpattn holds the history). Batch row b is cpattn sequence b of the step, so
-    the tokens in request order are row-major (b, t). Returns [B, T, Hq, D] as eager attention does.
-    """
-
-    def __init__(self):
-        self.step = None
-        self.capture_layer: int | None = None   # --oracle-check: keep this layer's q and output of decode steps
-        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if self.step is None:
-            raise RuntimeError("cpattn attention called outside a cpattn step: run the model through CpattnLM")
-        b, hq, t, d = query.shape
-        if abs(scaling - d ** -0.5) > 1e-9 * d ** -0.5:
-            raise ValueError(f"layer {module.layer_idx}: attention scale {scaling} is not head_size**-0.5; "
-                             "cpattn does not support custom scales yet")
-        if dropout:
-            raise ValueError("cpattn attention is inference-only: put the model in eval() mode (dropout 0)")
-        q = query.transpose(1, 2).reshape(b * t, hq, d)
-        k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
-        v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
-        out = self.step.attend(module.layer_idx, q.contiguous(), k.contiguous(), v.contiguous())
-        if t == 1 and module.layer_idx == self.capture_layer:
-            self.captured = (q.clone(), out.clone())
-        return out.view(b, t, hq, d), None
-
-
-ATTENTION = StepAttention()
 
 
 def make_prompt(vocab_size: int, length: int, batch: int, seed: int) -> torch.Tensor:
@@ -103,19 +70,21 @@ class CpattnLM:
     """Runs a transformers causal LM with its attention on a cpattn service; one step per forward."""
 
     def __init__(self, model, service, batch: int, seq_ids: list[str] | None = None, position: int = 0,
-                 decode_graph: bool | None = None):
+                 decode_graph: bool | None = None, sinks: bool = False):
         """``batch`` new sequences, or ``seq_ids`` that already hold ``position`` tokens each (forks).
-        ``decode_graph`` (default: on CUDA): decode steps replay the whole forward as one CUDA graph."""
+        ``decode_graph`` (default: on CUDA, unless the model has ``sinks``, which a captured step does not take):
+        decode steps replay the whole forward as one CUDA graph."""
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_IMPLEMENTATION, ATTENTION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        ATTENTION.expect(service.config)
         self.model = model
         self.device = next(model.parameters()).device
         self.svc = service
         self.seq_ids = seq_ids if seq_ids is not None else [service.add_sequence() for _ in range(batch)]
         self.position = position
-        self.use_graph = self.device.type == "cuda" if decode_graph is None else decode_graph
+        self.use_graph = self.device.type == "cuda" and not sinks if decode_graph is None else decode_graph
         self.graph = None   # svc.decode_graph of this batch's decode steps, made at the first one
 
     def _decode_step(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -239,7 +208,8 @@ def ask_questions(lm_document: CpattnLM, document: torch.Tensor, questions: torc
     forks = [svc.fork(doc_id) for _ in range(questions.shape[0])]
     lm_document.free()   # the forks hold the document's pages: its own sequence is no longer needed
     forked = svc.stats()
-    lm = CpattnLM(lm_document.model, svc, 0, seq_ids=forks, position=document.shape[1])
+    lm = CpattnLM(lm_document.model, svc, 0, seq_ids=forks, position=document.shape[1],
+                  decode_graph=lm_document.use_graph)
     t1 = time.perf_counter()
     new_tokens, timings = generate(lm, questions, chunk_size, max_new_tokens, progress)
     stats = svc.stats()
@@ -254,8 +224,9 @@ def context_tokens(args, prompt_tokens: int) -> int:
     return args.synthetic_prefix + prompt_tokens + args.max_new_tokens + (args.question_len if args.questions else 0)
 
 
-def service_config(model_config, args, dtype: str, total_tokens: int):
-    """The service the job starts, sized for ``total_tokens`` per sequence (context_tokens)."""
+def service_config(model_config, args, dtype: str, total_tokens: int, layers=None):
+    """The service the job starts, sized for ``total_tokens`` per sequence (context_tokens), with the model's
+    per-layer windows and soft caps (``layers``: job_attention.probe_layers; None: full attention, no caps)."""
     import cpattn
 
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
@@ -279,23 +250,31 @@ def service_config(model_config, args, dtype: str, total_tokens: int):
         num_gpus_per_shard=args.gpus_per_shard, device="cuda" if args.device == "cuda" else "auto",
         placement_strategy=args.placement_strategy, pcp_min_tokens=args.pcp_min_tokens,
         max_tokens_per_step=max(16384, args.batch * args.chunk_size), **slow,
+        **(layers.service_fields() if layers is not None else {}),
         name=f"cpattn-job-{os.getpid()}", ray_address=args.address or os.environ.get("RAY_ADDRESS") or None)
 
 
-def service_config_on(model_config, args, dtype: str, total_tokens: int):
+def service_config_on(model_config, args, dtype: str, total_tokens: int, layers=None):
     """service_config with --device cuda's default prefill backend resolved here (default_prefill_backend):
     (config, why the prefill stays on the decode backend, or "")."""
-    cfg = service_config(model_config, args, dtype, total_tokens)
+    cfg = service_config(model_config, args, dtype, total_tokens, layers)
     if args.device != "cuda" or args.prefill_backend is not None:
         return cfg, ""
     name, why_not = default_prefill_backend(cfg)
     return cfg.model_copy(update={"prefill_backend": name}), why_not
 
 
-def check_geometry(svc_config, model_config, dtype: str) -> None:
+def check_geometry(svc_config, model_config, dtype: str, layers=None) -> None:
+    """An attached service (--service) serves this model: its shape, dtype, and (``layers``) per-layer windows and
+    soft caps."""
     expected = {"num_layers": model_config.num_hidden_layers, "num_q_heads": model_config.num_attention_heads,
                 "num_kv_heads": model_config.num_key_value_heads, "dtype": dtype}
     wrong = {k: (getattr(svc_config, k), v) for k, v in expected.items() if getattr(svc_config, k) != v}
+    if layers is not None and not wrong:
+        for name, have, need in (("sliding_window", svc_config.layer_windows(), layers.windows),
+                                 ("logits_soft_cap", svc_config.layer_soft_caps(), layers.soft_caps)):
+            if have != need:
+                wrong[name] = (_one_or_per_layer(have), _one_or_per_layer(need))
     if wrong:
         from cpattn.errors import ConfigError
 
@@ -351,16 +330,18 @@ def default_prefill_backend(svc_config) -> tuple[str, str]:
     return "FLASH_ATTN", ""
 
 
-def run_cpattn(args, model, prompt, questions) -> dict:
-    """The job on the cpattn service: started here (or attached with --service), prefilled, decoded, stopped."""
+def run_cpattn(args, model, prompt, questions, layers) -> dict:
+    """The job on the cpattn service: started here (or attached with --service), prefilled, decoded, stopped.
+    ``layers``: the model's attention per layer (job_attention.probe_layers)."""
     import cpattn
 
     why_not = ""   # why the prefill runs on the decode backend, when the job chose that itself
     if args.service:
         svc = cpattn.connect(name=args.service, namespace=args.namespace, address=args.address)
-        check_geometry(svc.config, model.config, args.dtype)
+        check_geometry(svc.config, model.config, args.dtype, layers)
     else:
-        cfg, why_not = service_config_on(model.config, args, args.dtype, context_tokens(args, prompt.shape[1]))
+        cfg, why_not = service_config_on(model.config, args, args.dtype, context_tokens(args, prompt.shape[1]),
+                                         layers)
         check_gpu_memory(cfg, model, args)
         svc = cpattn.start(cfg)
     cfg = svc.config
@@ -380,9 +361,10 @@ def run_cpattn(args, model, prompt, questions) -> dict:
         print(f"cpattn: {cfg.num_shards} shards, {backend}, KV {cfg.kv_cache_format}; prompt {tuple(prompt.shape)}"
               f"{f' after {args.synthetic_prefix} random-KV tokens' if args.synthetic_prefix else ''}, chunks of "
               f"{args.chunk_size}, {args.max_new_tokens} new tokens"
-              + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else ""),
-              file=sys.stderr, flush=True)
-        lm = CpattnLM(model, svc, prompt.shape[0], decode_graph=False if args.decode_graph == "off" else None)
+              + (f", {args.questions} questions of {args.question_len} tokens" if args.questions else "")
+              + f"; {layers.summary()}", file=sys.stderr, flush=True)
+        lm = CpattnLM(model, svc, prompt.shape[0], decode_graph=False if args.decode_graph == "off" else None,
+                      sinks=any(layers.sinks))
         if questions is not None:
             new_tokens, timings, forked, stats = ask_questions(lm, prompt, questions, args.chunk_size,
                                                                args.max_new_tokens, not args.no_progress)
@@ -466,13 +448,21 @@ def main(argv: list[str] | None = None) -> int:
     args = resolve(parse_args(argv))
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     t = time.perf_counter()
-    model = build_model(args.model, args.seed, args.layers, args.dtype, device,
-                        attn="sdpa" if args.attn == "sdpa" else "eager")
+    try:
+        model = build_model(args.model, args.seed, args.layers, args.dtype, device,
+                            attn="sdpa" if args.attn == "sdpa" else "eager")
+    except NoSdpaError as exc:
+        raise SystemExit(f"--attn sdpa: {exc}: run it on cpattn with --verify (transformers' eager attention is "
+                         "then the reference)") from exc
     _sync(device)
     model_s = time.perf_counter() - t
-    reasons = check_supported(model.config)
-    if reasons and args.attn == "cpattn":
-        raise SystemExit("cpattn cannot run this model: " + "; ".join(reasons))
+    layers = probe_layers(model) if args.attn == "cpattn" else None   # windows, caps, scales, sinks per layer
+    if layers is not None and layers.problems:
+        raise SystemExit("cpattn cannot run this model: " + "; ".join(layers.problems))
+    if args.oracle_check and args.attn == "cpattn":
+        from job_oracle import check_supported_for_oracle
+
+        check_supported_for_oracle(model)
     if args.prompt_file:
         from transformers import AutoTokenizer
 
@@ -490,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         questions = make_questions(model.config.vocab_size, args.questions, args.question_len, args.seed)
 
     try:
-        result = run_sdpa(args, model, prompt) if args.attn == "sdpa" else run_cpattn(args, model, prompt, questions)
+        result = (run_sdpa(args, model, prompt) if args.attn == "sdpa"
+                  else run_cpattn(args, model, prompt, questions, layers))
     except CpattnError as exc:   # refused (e.g. the KV does not fit): the row's JSON says why, the exit status too
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"status": "error", "error": str(exc), "config": vars(args)}))
@@ -500,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         print("generated:", result["tokens"])
         result.update(phase_rates(result["timings"], prompt.numel() + (0 if questions is None else questions.numel())))
     result.update(attn=args.attn, model=describe(model, args.model or "tiny"), model_build_s=model_s,
+                  attention=layers.describe() if layers is not None else None,
                   weights_gib=weight_bytes(model) / GIB, peak_gpu_gib=peak_gpu_gib(device),
                   context_tokens=args.prompt_len if not args.prompt_file else prompt.shape[1],
                   synthetic_prefix=args.synthetic_prefix, config=vars(args), environment=environment(device))
@@ -517,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
 
         q, out = ATTENTION.captured
         history = torch.cat([prompt, torch.tensor(result["tokens"])[:, :-1]], dim=1)   # what the last query saw
-        result["oracle"] = check_layer0(model, history, q, out, args.chunk_size, result["service"]["kv_cache_dtype"])
+        result["oracle"] = check_layer0(model, history, q, out, args.chunk_size, result["service"]["kv_cache_dtype"],
+                                        layers)
         verdict = "ok" if result["oracle"]["ok"] else "FAIL"
         print("oracle: layer 0 of the last decode step over {keys} keys, relative error {rel_err:.2e} vs float64 "
               "(bound {bound:g}): {verdict}".format(**result["oracle"], verdict=verdict))

@@ -13,5 +13,6 @@ def load_example(name: str):
     sys.path.insert(0, str(EXAMPLES))   # the job's own modules (job_args.py, ...) import each other
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # as an import would (dataclasses resolve their annotations through it)
     spec.loader.exec_module(module)
     return module

@@ -121,6 +121,7 @@ MODULE_SECONDS = {
     "test_service_failures.py": 45, "test_data_plane.py": 45, "test_service_e2e.py": 45,
     "test_reliability_shard_loss.py": 40, "test_user_errors.py": 30, "test_readme.py": 30,
     "test_long_context_job_modes.py": 25, "test_service_window_fp8.py": 25, "test_decode_runs.py": 20,
+    "test_long_context_job_models.py": 45,
     # light
     "test_dcp_single_process.py": 110, "test_decode_fold.py": 18, "test_fp8_kv_cache.py": 11,
     "test_decode_run_plans.py": 5,

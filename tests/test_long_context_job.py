@@ -123,21 +123,6 @@ def test_job_matches_eager_attention(jobs):
     assert sum(s["tokens"] for s in job["kv_per_shard"]) == batch * (prompt_len + new - 1)
 
 
-def test_attention_function_rejects_custom_scale():
-    module = _load_job_module()
-
-    class Layer:
-        layer_idx = 0
-
-    module.ATTENTION.step = object()
-    try:
-        q = torch.zeros(1, 4, 3, 16)
-        with pytest.raises(ValueError, match="scale 0.1 is not head_size"):
-            module.ATTENTION(Layer(), q, q[:, :2], q[:, :2], None, scaling=0.1)
-    finally:
-        module.ATTENTION.step = None
-
-
 def test_questions_fork_one_document_and_match_eager_attention(jobs):
     """--questions: the document is prefilled once and forked (its pages shared, not copied); each fork's
     question and greedy continuation equal eager attention over document + question."""

@@ -79,3 +79,41 @@ def test_job_runs_on_cuda_with_json(tmp_path):
     assert job["decode_backend"] == "TRITON" and job["prefill_backend"] == ("FLASH_ATTN" if _flash_attn_serves()
                                                                             else "TRITON")
     assert job["oracle"]["ok"] and job["oracle"]["keys"] == 8192 + 7   # layer 0 vs float64 over every key
+
+
+def _save_windowed_model(kind: str, path: Path) -> None:
+    """A small model of ``kind`` at GPU head size (128) saved as local weights: Mistral (a 256-token window on every
+    layer), Gemma 2 (windows on every other layer, soft caps, query_pre_attn_scalar 144), gpt-oss (windows, sinks)."""
+    import transformers as tf
+
+    common = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=8192)
+    if kind == "mistral":
+        config, cls = tf.MistralConfig(sliding_window=256, **common), tf.MistralForCausalLM
+    elif kind == "gemma2":
+        config, cls = tf.Gemma2Config(sliding_window=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                      query_pre_attn_scalar=144, **common), tf.Gemma2ForCausalLM
+    else:
+        config, cls = tf.GptOssConfig(sliding_window=256, num_local_experts=4, num_experts_per_tok=2,
+                                      **common), tf.GptOssForCausalLM
+    torch.manual_seed(0)
+    cls(config).eval().save_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_windowed_models_match_transformers_on_gpu(ray_session, tmp_path, kind, shards):
+    """--model DIR with windows, soft caps, a scale of its own and sinks, through the job's service on the GPU
+    (TRITON decode, the prefill backend the job picks), step by step against transformers' own attention (SDPA for
+    Mistral; eager for Gemma 2 and gpt-oss, which have no SDPA) within bf16's own error."""
+    if shards > torch.cuda.device_count():
+        pytest.skip(f"needs {shards} GPUs")
+    _save_windowed_model(kind, tmp_path / kind)
+    check = _load("check_job_vs_sdpa")
+    out = tmp_path / "check.json"
+    status = check.main(["--device", "cuda", "--model", str(tmp_path / kind), "--prompt-len", "2048",
+                         "--chunk-size", "512", "--decode-steps", "8", "--shards", str(shards), "--json-out", str(out)])
+    report = json.loads(out.read_text())
+    assert status == 0, report
+    assert report["ok"] and report["steps_over_bound"] == 0 and report["greedy_mismatches_not_near_tie"] == 0
+    assert report["reference_attn"] == ("sdpa" if kind == "mistral" else "eager")
