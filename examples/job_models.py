@@ -32,12 +32,17 @@ def llama3_8b_config(num_layers: int = 32, max_positions: int = LLAMA3_MAX_POSIT
                        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
 
 
-def rope_theta(config) -> float:
-    """RoPE base of a config, wherever this transformers version keeps it (rope_theta, or rope_parameters in 5.x)."""
+def rope_theta(config) -> float | dict[str, float] | None:
+    """RoPE base of a config, wherever this transformers version keeps it (rope_theta, or rope_parameters in 5.x);
+    per layer type where the model has several (Gemma 3: {"sliding_attention": 1e4, "full_attention": 1e6})."""
     theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return float(theta)
+    if theta is not None:
+        return float(theta)
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    per_type = {kind: float(p["rope_theta"]) for kind, p in params.items() if isinstance(p, dict) and "rope_theta" in p}
+    return per_type or None
 
 
 def random_model(config, seed: int, dtype: torch.dtype, device: torch.device | str, attn: str = "eager"):

@@ -1,5 +1,5 @@
-"""Long-context inference with a Hugging Face Llama-family decoder (Llama, Mistral, Gemma 2, Qwen2, gpt-oss) whose
-attention runs on cpattn.
+"""Long-context inference with a Hugging Face Llama-family decoder (Llama, Mistral, Gemma 2/3, Qwen2/3, gpt-oss)
+whose attention runs on cpattn.
 
 The model's own projections, RoPE, MLPs and sampling run here; every attention layer runs on a cpattn
 service through transformers' attention interface (``AttentionInterface.register("cpattn", ...)``).
