@@ -31,7 +31,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model runs (cuda: this process's GPU, bf16, the Llama-3-8B shape by default)")
     p.add_argument("--model", default=None, help="tiny (the CPU default), llama3-8b (its shape, random weights on the "
-                                                 "GPU: the CUDA default) or a local Hugging Face model directory")
+                                                 "GPU: the CUDA default), mistral-7b (its shape: a 4,096 window on "
+                                                 "every layer) or a local Hugging Face model directory")
     p.add_argument("--layers", type=int, default=None, help="layers of the model (default: the model's own; tiny: 2)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16", "float64"],
                    help="model and KV dtype (default: float32 on cpu, bfloat16 on cuda)")

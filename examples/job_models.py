@@ -7,6 +7,8 @@ import torch
 
 TINY = "tiny"
 LLAMA3_8B = "llama3-8b"
+MISTRAL_7B = "mistral-7b"
+BUILT_IN = (None, TINY, LLAMA3_8B, MISTRAL_7B)   # --model names that are not a directory (random weights)
 # Positions the Llama-3-8B shape accepts: 2M, so a 1M-token prompt plus its decode fits (RoPE is computed per
 # forward for the positions it gets, so this costs nothing).
 LLAMA3_MAX_POSITIONS = 2**21
@@ -32,6 +34,18 @@ def llama3_8b_config(num_layers: int = 32, max_positions: int = LLAMA3_MAX_POSIT
                        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
 
 
+def mistral_7b_config(num_layers: int = 32, max_positions: int = LLAMA3_MAX_POSITIONS):
+    """Mistral-7B-v0.1's shape (its config.json): Llama-3-8B's layers (32 x 32 query / 8 KV heads of 128, hidden
+    4096, MLP 14336) with a 4,096-token sliding window on every layer, vocab 32000, RoPE theta 10000: a model whose
+    every layer reads at most 4,096 keys however long the context."""
+    from transformers import MistralConfig
+
+    return MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=num_layers,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                         max_position_embeddings=max_positions, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         sliding_window=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
 def rope_theta(config) -> float | dict[str, float] | None:
     """RoPE base of a config, wherever this transformers version keeps it (rope_theta, or rope_parameters in 5.x);
     per layer type where the model has several (Gemma 3: {"sliding_attention": 1e4, "full_attention": 1e6})."""
@@ -46,14 +60,15 @@ def rope_theta(config) -> float | dict[str, float] | None:
 
 
 def random_model(config, seed: int, dtype: torch.dtype, device: torch.device | str, attn: str = "eager"):
-    """A randomly initialised LlamaForCausalLM built where it will run: under ``torch.device(device)`` every
-    parameter is allocated and initialised on that device in ``dtype`` (an 8B model on the GPU takes a second;
-    nothing passes through the host). The same seed on the same device kind gives the same weights."""
-    from transformers import LlamaForCausalLM
+    """A randomly initialised causal LM of the config's class built where it will run: under
+    ``torch.device(device)`` every parameter is allocated and initialised on that device in ``dtype`` (an 8B model
+    on the GPU takes a second; nothing passes through the host). The same seed on the same device kind gives the
+    same weights."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)   # seeds the CPU and every CUDA device
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
+    with torch.device(device):   # the config's own class (LlamaForCausalLM, MistralForCausalLM)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     where = {p.device.type for p in model.parameters()}
     if where != {torch.device(device).type}:   # a transformers version that builds elsewhere first: move it
         model.to(device)
@@ -62,13 +77,15 @@ def random_model(config, seed: int, dtype: torch.dtype, device: torch.device | s
 
 def build_model(model_path: str | None = None, seed: int = 0, num_layers: int | None = 2, dtype: str = "float32",
                 device: str | torch.device = "cpu", attn: str = "eager"):
-    """``model_path``: None or "tiny" (the tiny random Llama), "llama3-8b" (its shape, random weights) or a local
-    Hugging Face directory (no downloads). ``num_layers`` None keeps the model's own depth."""
+    """``model_path``: None or "tiny" (the tiny random Llama), "llama3-8b" or "mistral-7b" (their shapes, random
+    weights) or a local Hugging Face directory (no downloads). ``num_layers`` None keeps the model's own depth."""
     torch_dtype = getattr(torch, dtype)
     if model_path in (None, TINY):
         return random_model(tiny_llama_config(num_layers or 2), seed, torch_dtype, device, attn)
     if model_path == LLAMA3_8B:
         return random_model(llama3_8b_config(num_layers or 32), seed, torch_dtype, device, attn)
+    if model_path == MISTRAL_7B:
+        return random_model(mistral_7b_config(num_layers or 32), seed, torch_dtype, device, attn)
     from transformers import AutoModelForCausalLM
 
     extra = {"num_hidden_layers": num_layers} if num_layers else {}

@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # its sibling modules, however this file is loaded
 from job_args import parser, resolve  # noqa: E402
 from job_attention import ATTENTION, ATTN_IMPLEMENTATION, _one_or_per_layer, probe_layers  # noqa: E402,F401
-from job_models import (NoSdpaError, build_model, describe, kv_bytes_per_token, tiny_llama_config,  # noqa: E402,F401
-                        weight_bytes)
+from job_models import (BUILT_IN, NoSdpaError, build_model, describe, kv_bytes_per_token,  # noqa: E402,F401
+                        tiny_llama_config, weight_bytes)
 from job_report import GIB, Progress, environment, peak_gpu_gib, phase_rates, summary_table  # noqa: E402
 from job_sdpa import SdpaLM  # noqa: E402
 
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_file:
         from transformers import AutoTokenizer
 
-        if args.model in (None, "tiny", "llama3-8b"):
+        if args.model in BUILT_IN:
             raise SystemExit("--prompt-file needs --model DIR (the tokenizer comes with the weights)")
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         with open(args.prompt_file) as f:

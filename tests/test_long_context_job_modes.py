@@ -89,6 +89,22 @@ def test_llama3_8b_shape_on_the_meta_device():
     assert models.kv_bytes_per_token(c, 2) == 131072
 
 
+def test_mistral_7b_shape_on_the_meta_device(monkeypatch):
+    """--model mistral-7b: Llama-3-8B's layers with a 4,096 window on each (the probe reads it even on the meta
+    device), so the job's service windows every layer."""
+    models, attention, job = _load("job_models"), _load("job_attention"), _load("long_context_job")
+    model = models.build_model("mistral-7b", seed=0, num_layers=None, dtype="bfloat16", device="meta")
+    assert type(model).__name__ == "MistralForCausalLM" and next(model.parameters()).device.type == "meta"
+    assert sum(p.numel() for p in model.parameters()) == 7_241_732_096   # Mistral-7B-v0.1's parameter count
+    layers = attention.probe_layers(model)
+    assert layers.windows == [4096] * 32 and layers.soft_caps == [None] * 32 and not any(layers.sinks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = _resolve(["--device", "cuda", "--model", "mistral-7b", "--prompt-len", "1048576", "--shards", "2",
+                     "--chunk-size", "8192"])
+    cfg = job.service_config(model.config, args, "bfloat16", 1048576, layers)
+    assert cfg.sliding_window == 4096 and cfg.layer_windows() == [4096] * 32 and cfg.row_window() == 4096
+
+
 def test_sdpa_baseline_makes_the_tokens_of_eager_generate(tmp_path):
     """--attn sdpa (chunked prefill into transformers' DynamicCache, greedy decode) on the CPU: the same tokens as
     transformers' own eager generate, which is what the cpattn path's --verify checks too."""
