@@ -101,7 +101,9 @@ def _eager_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
 
 
-@pytest.mark.parametrize("kind", [k for k in EXPECTED if k != "qwen3"])   # qwen3's attention calls are qwen2's
+# Every pattern once (CI's minutes): windows on all layers (mistral; gemma3 and qwen2/3 differ only in what the probe
+# reads), on some with caps and a scale of its own (gemma2), with sinks (gpt_oss).
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])
 def test_logits_match_eager_attention_over_shards(ray_session, model_dirs, kind):
     """Prefill in chunks (two of them split across 3 shards by PCP), then decode steps: every step's last logits
     equal the eager model's over the whole sequence. The prompt is 5x the window, so windows decide the result;
