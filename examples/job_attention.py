@@ -31,11 +31,11 @@ class LayerAttention:
 
     def service_fields(self) -> dict:
         """ServiceConfig's sliding_window and logits_soft_cap: one value when every layer has it, else per layer."""
-        return {"sliding_window": _one_or_per_layer(self.windows), "logits_soft_cap": _one_or_per_layer(self.soft_caps)}
+        return {"sliding_window": one_or_per_layer(self.windows), "logits_soft_cap": one_or_per_layer(self.soft_caps)}
 
     def describe(self) -> dict:
-        return {"windows": _one_or_per_layer(self.windows), "soft_caps": _one_or_per_layer(self.soft_caps),
-                "scales": _one_or_per_layer(self.scales), "sinks": any(self.sinks)}
+        return {"windows": one_or_per_layer(self.windows), "soft_caps": one_or_per_layer(self.soft_caps),
+                "scales": one_or_per_layer(self.scales), "sinks": any(self.sinks)}
 
     def summary(self) -> str:
         """One line for the job's log: what is not plain full attention."""
@@ -50,7 +50,7 @@ class LayerAttention:
         return ", ".join(parts) or "full attention on every layer"
 
 
-def _one_or_per_layer(values: list):
+def one_or_per_layer(values: list):
     return values[0] if len(set(values)) == 1 else list(values)
 
 

@@ -3,8 +3,8 @@
 Layer 0's keys and values depend only on the token ids (embedding, input norm, k/v projections, RoPE), so they
 can be recomputed here for the whole history, chunk by chunk, without running the model's other layers; the
 query and output cpattn saw for the last decoded token are captured in StepAttention. The reference is exact
-softmax attention in float64, streamed over key slices (memory bounded for a million keys). Llama-architecture
-architecture models only (their layer 0's layout: Llama, Mistral, Qwen2), windows and soft caps included."""
+softmax attention in float64, streamed over key slices (memory bounded for a million keys). Models whose layer 0
+is laid out as Llama's only (Llama, Mistral, Qwen2), windows and soft caps included."""
 
 from __future__ import annotations
 

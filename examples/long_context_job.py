@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # its sibling modules, however this file is loaded
 from job_args import parser, resolve  # noqa: E402
-from job_attention import ATTENTION, ATTN_IMPLEMENTATION, _one_or_per_layer, probe_layers  # noqa: E402,F401
+from job_attention import ATTENTION, ATTN_IMPLEMENTATION, one_or_per_layer, probe_layers  # noqa: E402,F401
 from job_models import (BUILT_IN, NoSdpaError, build_model, describe, kv_bytes_per_token,  # noqa: E402,F401
                         tiny_llama_config, weight_bytes)
 from job_report import GIB, Progress, environment, peak_gpu_gib, phase_rates, summary_table  # noqa: E402
@@ -274,7 +274,7 @@ def check_geometry(svc_config, model_config, dtype: str, layers=None) -> None:
         for name, have, need in (("sliding_window", svc_config.layer_windows(), layers.windows),
                                  ("logits_soft_cap", svc_config.layer_soft_caps(), layers.soft_caps)):
             if have != need:
-                wrong[name] = (_one_or_per_layer(have), _one_or_per_layer(need))
+                wrong[name] = (one_or_per_layer(have), one_or_per_layer(need))
     if wrong:
         from cpattn.errors import ConfigError
 
