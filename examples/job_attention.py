@@ -91,12 +91,6 @@ def probe_layers(model) -> LayerAttention:
                           [c["sinks"] for c in calls], problems)
 
 
-def full_attention(num_layers: int, head_size: int) -> LayerAttention:
-    """A Llama: full attention, no cap, head_size ** -0.5, no sinks, on every layer."""
-    return LayerAttention([None] * num_layers, [None] * num_layers, [head_size ** -0.5] * num_layers,
-                          [False] * num_layers, [])
-
-
 class StepAttention:
     """The attention function transformers calls per layer; it forwards to the open cpattn step.
 
