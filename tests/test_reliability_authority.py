@@ -170,3 +170,16 @@ def test_the_operator_credential_stops_the_service_and_nothing_else_does(ray_ses
             svc.shutdown()
         except cpattn.CpattnError:
             pass
+
+
+def test_operator_credentials_never_look_like_an_option():
+    """`cpattn status --operator-credential CREDENTIAL` failed in CI when a bare url-safe token began with '-'
+    (argparse took it for an option): every credential starts with a letter, and the CLI parses it."""
+    from cpattn.launch.cli import build_parser
+
+    for _ in range(2000):   # a bare token began with '-' once in 64
+        credential = authority.new_operator_credential()
+        assert credential[0].isalpha() and len(credential) > 40, credential
+    credential = "op-" + "-" * 8
+    args = build_parser().parse_args(["status", "--name", "svc", "--operator-credential", credential])
+    assert args.operator_credential == credential

@@ -92,8 +92,10 @@ SHARD_METHODS: dict[str, Rule] = {
 
 
 def new_operator_credential() -> str:
-    """256 bits; whoever starts the service keeps it (the actors keep only ``digest`` of it)."""
-    return secrets.token_urlsafe(32)
+    """256 bits; whoever starts the service keeps it (the actors keep only ``digest`` of it). The prefix keeps it
+    from starting with '-' (1 in 64 of bare url-safe tokens), which argparse takes for an option in
+    ``cpattn status --operator-credential CREDENTIAL``."""
+    return "op-" + secrets.token_urlsafe(32)
 
 
 def digest(credential: str) -> str:
