@@ -215,6 +215,12 @@ class AttentionFeatures(FieldGroup):
     """Local attention (Mistral/Gemma style): a query at global position p sees keys at positions
     p - W < j <= p (W keys, itself included). One int for every layer, a list with one entry per layer
     (None = full attention on that layer), or None. Applied on global positions on every shard."""
+    release_pages_outside_window: bool = True
+    """When every layer has a window: pages holding only tokens no later query can see (wholly before the last
+    token's largest window) go back to the pool as a sequence grows, so a sequence holds about its window
+    rather than its length, and may grow past the whole cache (as vLLM's sliding-window manager does). A fork
+    must then start where its window's pages are still held (at the sequence's length, or within a window of
+    it). False keeps every page until the sequence is freed."""
     logits_soft_cap: float | list[float | None] | None = None
     """Gemma-2 style soft cap of the scaled logits: s -> cap * tanh(s / cap). One value for every layer,
     one per layer (None = no cap), or None."""

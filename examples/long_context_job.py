@@ -132,10 +132,13 @@ class CpattnLM:
         self.position += n
         return logits[:, -1]
 
-    def fill_random(self, num_tokens: int, seed: int) -> None:
-        """Random KV for the first ``num_tokens`` positions (``--synthetic-prefix``), written by the shards."""
-        for i, sid in enumerate(self.seq_ids):
-            self.svc.fill_synthetic(sid, num_tokens, seed=seed + i)
+    def fill_random(self, num_tokens: int, seed: int, piece: int | None = None) -> None:
+        """Random KV for the first ``num_tokens`` positions (``--synthetic-prefix``), written by the shards; in fills
+        of at most ``piece`` tokens (a service whose windows release pages holds a window, not the whole prefix)."""
+        piece = piece or num_tokens
+        for start in range(0, num_tokens, piece):
+            for i, sid in enumerate(self.seq_ids):
+                self.svc.fill_synthetic(sid, min(piece, num_tokens - start), seed=seed + i + 7919 * (start // piece))
         self.position += num_tokens
 
     def free(self) -> None:
@@ -224,15 +227,33 @@ def context_tokens(args, prompt_tokens: int) -> int:
     return args.synthetic_prefix + prompt_tokens + args.max_new_tokens + (args.question_len if args.questions else 0)
 
 
+# Tokens a decode run grows ahead of its step (ServiceConfig.decode_run_steps' default): a windowed sequence holds them.
+DECODE_RUN_AHEAD = 128
+
+
+def held_tokens(args, total_tokens: int, layers=None) -> int:
+    """The KV tokens a sequence holds at once: all of them, or where every layer has a window (the service gives
+    back the pages before it: release_pages_outside_window) its largest window, a step's new tokens (a chunk, a
+    question) and a decode run's pages ahead."""
+    windows = layers.windows if layers is not None else [None]
+    if not windows or any(w is None for w in windows):
+        return total_tokens
+    step = max(args.chunk_size, args.question_len if args.questions else 0, DECODE_RUN_AHEAD)
+    return min(total_tokens, max(windows) + step + args.block_size * args.shards)
+
+
 def service_config(model_config, args, dtype: str, total_tokens: int, layers=None):
     """The service the job starts, sized for ``total_tokens`` per sequence (context_tokens), with the model's
     per-layer windows and soft caps (``layers``: job_attention.probe_layers; None: full attention, no caps)."""
     import cpattn
 
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    tokens_per_shard = math.ceil(total_tokens / args.shards)
+    held = held_tokens(args, total_tokens, layers)
+    tokens_per_shard = math.ceil(held / args.shards)
     blocks = args.batch * (math.ceil(tokens_per_shard / args.block_size) + 2)
-    if args.questions:
+    if held < total_tokens:   # every layer windowed: each sequence, the document and its forks alike, holds a window
+        blocks = (args.batch + args.questions) * (math.ceil(tokens_per_shard / args.block_size) + 2)
+    elif args.questions:
         # One copy of the document, then per question its own tokens and a copy of the page it shares partly.
         own = math.ceil((args.question_len + args.max_new_tokens) / args.shards / args.block_size) + 2
         blocks = math.ceil((total_tokens - args.question_len - args.max_new_tokens) / args.shards / args.block_size)
@@ -347,8 +368,12 @@ def run_cpattn(args, model, prompt, questions, layers) -> dict:
     cfg = svc.config
     per_token = cfg.bytes_per_block() // cfg.block_size
 
+    held = held_tokens(args, context_tokens(args, prompt.shape[1]), layers) if not args.service else None
+
     def kv_per_shard(done: int) -> int:   # estimated locally: stats() would end a decode run
-        return math.ceil(prompt.shape[0] * (done + args.synthetic_prefix) / cfg.num_shards) * per_token
+        tokens = done + args.synthetic_prefix
+        tokens = min(tokens, held) if held is not None else tokens
+        return math.ceil(prompt.shape[0] * tokens / cfg.num_shards) * per_token
 
     forked = None
     try:
@@ -371,7 +396,8 @@ def run_cpattn(args, model, prompt, questions, layers) -> dict:
         else:
             if args.synthetic_prefix:
                 t = time.perf_counter()
-                lm.fill_random(args.synthetic_prefix, args.seed)
+                windowed = cfg.row_window() is not None and cfg.release_pages_outside_window
+                lm.fill_random(args.synthetic_prefix, args.seed, args.chunk_size if windowed else None)
                 print(f"cpattn: random KV of {args.synthetic_prefix} tokens written in {time.perf_counter() - t:.1f}s",
                       file=sys.stderr, flush=True)
             bar = Progress(prompt.shape[1] + args.max_new_tokens, kv_per_shard, not args.no_progress)
@@ -396,6 +422,7 @@ def run_cpattn(args, model, prompt, questions, layers) -> dict:
               "decode_backend": first["backend"], "prefill_backend": first["prefill_backend"],
               "service": {"num_shards": cfg.num_shards, "num_gpus_per_shard": cfg.num_gpus_per_shard,
                           "kv_cache_dtype": cfg.kv_cache_format, "block_size": cfg.block_size,
+                          "num_blocks_per_shard": cfg.blocks_per_shard(),
                           "pcp_min_tokens": cfg.pcp_min_tokens},
               "kv_per_shard": [{k: r[k] for k in ("rank", "blocks_used", "tokens", "bytes")} for r in stats["shards"]],
               "kv_gib_per_shard": max(r["bytes"] for r in stats["shards"]) / GIB}

@@ -81,7 +81,7 @@ def test_sequences_grow_commit_and_undo():
     growth = table.grow([seq], [10])
     table.begin([seq], 7)
     with pytest.raises(InvalidRequestError, match="sequence seq-a is already in open step 7"):
-        table.check_growth(seq, 1, "num_new_tokens", "already in")
+        table.limits.check_growth(seq, 1, "num_new_tokens", "already in")
     table.undo(growth, ["seq-a"], 7)
     assert table.blocks_used() == free_before and seq.in_step is None and seq.pages_version == 1
     table.grow([seq], [10])
@@ -96,11 +96,11 @@ def test_sequence_growth_check_names_the_problem():
     seq = table.add("c-1", "seq-a")
     for bad in (0, -1, True, 1.5, "3"):
         with pytest.raises(InvalidRequestError, match="num_tokens .* must be an int >= 1"):
-            table.check_growth(seq, bad, "num_tokens", "in")
+            table.limits.check_growth(seq, bad, "num_tokens", "in")
     with pytest.raises(CapacityError, match=r"0 \+ 65 tokens exceed the whole KV cache \(64 tokens"):
-        table.check_growth(seq, 65, "num_tokens", "in")
+        table.limits.check_growth(seq, 65, "num_tokens", "in")
     with pytest.raises(CapacityError, match="client quota: holding 0 tokens, this step adds 13"):
-        table.check_quota("c-1", 13)
+        table.limits.check_quota(table.owned_by("c-1"), 13)
     seqs, request = table.admit("c-1", {"seq-a": 3})
     assert seqs == [seq] and request == {"seq-a": 3}
     with pytest.raises(InvalidRequestError, match="a step needs a non-empty"):

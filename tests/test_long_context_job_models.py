@@ -224,6 +224,17 @@ def test_the_job_with_local_weights_a_prompt_file_and_verify(ray_session, model_
                      "--json-out", str(out)]) == 0
     oracle = json.loads(out.read_text())["oracle"]
     assert oracle["ok"] and oracle["keys"] == 24 and oracle["rel_err"] < 1e-5
+    # Every Mistral layer is windowed: the service gives back the pages before each window, so the job sizes its
+    # cache for a window (24), a decode run's 128 tokens ahead and a page a shard (184 tokens: 8 pages of 16 a shard,
+    # with 2 of slack), not for the 403 of the context.
+    out = tmp_path / "mistral-long.json"
+    assert job.main(["--model", str(model_dirs["mistral"]), "--prompt-len", "400", "--chunk-size", "32",
+                     "--max-new-tokens", "3", "--shards", "2", "--verify", "--no-progress",
+                     "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tokens"] == result["eager_tokens"] and result["context_tokens"] == 400
+    blocks = result["service"]["num_blocks_per_shard"]
+    assert 2 * blocks * result["service"]["block_size"] < 403 and blocks == 8
     with pytest.raises(SystemExit, match="this model is 'gemma2': drop --oracle-check"):
         job.main(["--model", str(model_dirs["gemma2"]), "--oracle-check", "--no-progress"])
 

@@ -45,10 +45,10 @@ def grow_run(table: SequenceTable, client_id: str, seqs: list[Sequence], num_ste
     """Pages for the run's steps after its first (the first grew as any step does): as many steps as fit
     the cache and the client's quota, at most ``num_steps - 1`` more; the run is shortened, never refused."""
     for seq in seqs:   # step j holds length + j + 1 tokens: check_growth's limit
-        num_steps = min(num_steps, table.capacity_tokens() - seq.length)
+        num_steps = min(num_steps, table.limits.capacity_tokens() - seq.length)
     quota = table.config.max_tokens_per_client
     if quota is not None and seqs:   # check_quota's limit
-        num_steps = min(num_steps, (quota - sum(s.length for s in table.owned_by(client_id))) // len(seqs))
+        num_steps = min(num_steps, (quota - sum(map(table.limits.held_tokens, table.owned_by(client_id)))) // len(seqs))
     return table.grow_run(seqs, num_steps)
 
 
@@ -63,10 +63,10 @@ def extension_length(table: SequenceTable, step, seqs: list[Sequence], ahead, fr
         return 0
     num_steps = min(num_steps, step.id_span - step.num_substeps)
     for end in step.new_lengths:   # step j of the extension holds end + j + 1 tokens
-        num_steps = min(num_steps, table.capacity_tokens() - end)
+        num_steps = min(num_steps, table.limits.capacity_tokens() - end)
     quota = table.config.max_tokens_per_client
     if quota is not None and seqs:   # the run's planned tokens count as held
-        planned = sum(s.length for s in table.owned_by(step.client_id)) + (step.num_substeps - step.done) * len(seqs)
+        planned = sum(map(table.limits.held_tokens, table.owned_by(step.client_id))) + (step.num_substeps - step.done) * len(seqs)
         num_steps = min(num_steps, (quota - planned) // len(seqs))
     return max(num_steps, 0)
 

@@ -109,5 +109,5 @@ class PrefixSharing:
         if source.in_step is not None:
             raise InvalidRequestError(f"sequence {source.seq_id} is in open step {source.in_step}: fork it after "
                                       "that step ends (its pages are still being written)")
-        self.table.check_quota(client_id, num_tokens)
+        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens)
         return self.table.fork(source, client_id, new_sequence_id(), num_tokens).seq_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpattn.kvstore.block_table import BlockTable
 from cpattn.kvstore.sharded_allocator import SequenceRows, ShardedKVAllocator
 
 
@@ -33,17 +34,18 @@ def refill_copies(allocator: ShardedKVAllocator, rows: list[SequenceRows], rank:
     for seq in rows:
         if seq.replica is None:
             raise ValueError("refill needs replicated sequences (kv_replicas=2)")
-        _add_pairs(primary, allocator.tables[holder].row(seq.replica[holder]),
-                   allocator.tables[rank].row(seq.primary[rank]))
-        _add_pairs(replica, allocator.tables[owner].row(seq.primary[owner]),
-                   allocator.tables[rank].row(seq.replica[rank]))
+        _add_pairs(primary, allocator.tables[holder], seq.replica[holder], allocator.tables[rank], seq.primary[rank])
+        _add_pairs(replica, allocator.tables[owner], seq.primary[owner], allocator.tables[rank], seq.replica[rank])
     return [c for c in (primary, replica) if c.dst_blocks]
 
 
-def _add_pairs(copy: PageCopy, src: list[int], dst: list[int]) -> None:
-    """Page i of ``src`` -> page i of ``dst``, for the pages ``copy`` does not rebuild yet."""
+def _add_pairs(copy: PageCopy, src_table: BlockTable, src_row: int, dst_table: BlockTable, dst_row: int) -> None:
+    """Page i of the source row -> page i of the destination row, for the pages ``copy`` does not rebuild yet.
+    Released pages (a windowed sequence's, released alike in both rows) are skipped: their ids may be other
+    sequences' pages by now."""
     seen = copy.seen
-    for s, d in zip(src, dst):
+    skip = max(src_table.num_released[src_row], dst_table.num_released[dst_row])
+    for s, d in zip(src_table.row(src_row)[skip:], dst_table.row(dst_row)[skip:]):
         if d not in seen:
             seen.add(d)
             copy.src_blocks.append(s)

@@ -15,6 +15,7 @@ import torch
 from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.journal import CoordinatorJournal, SequenceUpdate
 from cpattn.cluster.page_delta import Delta, row_deltas
+from cpattn.cluster.sequence_limits import SequenceLimits, row_width
 from cpattn.config import ServiceConfig
 from cpattn.errors import CapacityError, InvalidRequestError, ShardLostError
 from cpattn.kvstore.run_growth import grow_decode_run
@@ -38,7 +39,9 @@ class SequenceTable:
         self.config = config
         self.journal = journal
         self.allocator = ShardedKVAllocator(config.num_shards, config.blocks_per_shard(), config.block_size,
-                                            config.dcp_interleave, config.max_sequences, config.kv_replicas)
+                                            config.dcp_interleave, config.max_sequences, config.kv_replicas,
+                                            row_width(config))
+        self.limits = SequenceLimits(config, self.allocator)
         self.sequences: dict[str, Sequence] = {}
         self.dropped: dict[str, tuple] = {}   # seq_id -> (rank, why, owner): KV lost with a shard
 
@@ -153,36 +156,9 @@ class SequenceTable:
         seqs = []
         for seq_id, n in request.items():
             seq = self.get(seq_id, client_id)
-            self.check_growth(seq, n, f"sequence {seq_id}: num_new_tokens", "already in")
+            self.limits.check_growth(seq, n, f"sequence {seq_id}: num_new_tokens", "already in")
             seqs.append(seq)
         return seqs, request
-
-    def check_growth(self, seq: Sequence, extra, what: str, busy: str) -> None:
-        """The one check before a sequence grows by ``extra`` tokens (a step, fill_synthetic)."""
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 1:
-            raise InvalidRequestError(f"{what} {extra!r} must be an int >= 1")
-        # Also keeps absurd counts (>= 2**63) away from the int64 allocator math.
-        capacity = self.capacity_tokens()
-        if seq.length + extra > capacity:
-            raise CapacityError(f"sequence {seq.seq_id}: {seq.length} + {extra} tokens exceed the whole KV cache "
-                                f"({capacity} tokens over {self.config.num_shards} shards): shorten the request or "
-                                "raise num_blocks_per_shard / num_shards", needed=seq.length + extra, free=capacity)
-        if seq.in_step is not None:
-            raise InvalidRequestError(f"sequence {seq.seq_id} is {busy} open step {seq.in_step}")
-
-    def capacity_tokens(self) -> int:
-        """The whole KV cache in tokens: no sequence grows beyond it."""
-        cfg = self.config
-        return cfg.num_shards * cfg.blocks_per_shard() * cfg.block_size
-
-    def check_quota(self, client_id: str, extra: int) -> None:
-        quota = self.config.max_tokens_per_client
-        if quota is None:
-            return
-        held = sum(s.length for s in self.owned_by(client_id))
-        if held + extra > quota:
-            raise CapacityError(f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client "
-                                f"is {quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)
 
     def grow(self, seqs: list[Sequence], new_lengths: list[int]) -> Growth:
         """Pages for every sequence's new length; CapacityError before changing anything."""
@@ -210,6 +186,7 @@ class SequenceTable:
         if not self.allocator.can_add_row():
             raise InvalidRequestError(f"the service holds max_sequences={self.config.max_sequences} sequences: "
                                       "free some or raise max_sequences")
+        self.limits.check_fork(source, num_tokens)
         seq = Sequence(seq_id, owner, self.allocator.fork_rows(source.rows, num_tokens), num_tokens)
         self.sequences[seq_id] = seq
         self.persist([seq])
@@ -231,6 +208,7 @@ class SequenceTable:
             seq.in_step = None
             if commit:
                 seq.length, seq.last_step = new_len, step_id
+                self._release_outside_window(seq)
                 committed.append(seq)
         self.persist(committed)
 
@@ -241,8 +219,13 @@ class SequenceTable:
             seq = self.sequences.get(seq_id)
             if seq is not None and new_len > seq.length:
                 seq.length, seq.last_step = new_len, step_id
+                self._release_outside_window(seq)
                 advanced.append(seq)
         self.persist(advanced)
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        if self.limits.release_outside_window(seq):
+            seq.persisted_pages = -1   # the same number of pages, some released: the journal rewrites the list
 
     def undo(self, growth: Growth, seq_ids: list[str], step_id: int | None = None, release: bool = True) -> None:
         """A step that will not commit: its pages return, clients holding them get whole rows again (``release``:

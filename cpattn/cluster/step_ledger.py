@@ -54,7 +54,7 @@ class StepLedger:
         seqs, request = self.table.admit(client_id, request)
         num_tokens = sum(request.values())
         check_step_size(num_tokens, self.config.max_tokens_per_step)
-        self.table.check_quota(client_id, num_tokens)
+        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens)
         self.steps.check_can_open(client_id)
         num_steps = decode_run.run_length(request, ahead, self.steps.free_threads() - 1, num_clients - 1)
         growth = self.table.grow(seqs, [s.length + t for s, t in zip(seqs, request.values())])   # raises first
@@ -214,8 +214,8 @@ class StepLedger:
         seq = self.table.get(seq_id, client_id)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**40:
             raise InvalidRequestError(f"seed {seed!r} must be an int in 0..2**40")
-        self.table.check_growth(seq, num_tokens, "num_tokens", "in")
-        self.table.check_quota(client_id, num_tokens)
+        self.table.limits.check_growth(seq, num_tokens, "num_tokens", "in")
+        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens)
         growth = self.table.grow([seq], [seq.length + num_tokens])
         plans = plan_step(self.table.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
                           gen.incarnation, gen.shard_secret, growth=growth)

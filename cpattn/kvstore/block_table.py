@@ -2,6 +2,12 @@
 
 Rows are reused after a request frees them; clearing the whole row on free is what keeps a
 reused row from showing the previous request's pages (a known silent-corruption class).
+
+A row may have *released* its first pages (every layer of the model has a sliding window, and no future
+query's window reaches them: ``release_prefix``). Their ids stay in the row, so every copy of the row a
+client, a shard or a captured graph holds stays valid as it was; no kernel reads them (each skips the pages
+wholly before its window), and the row no longer owns them: they are back in the pool, maybe another
+sequence's now. ``owned`` and ``remove_row`` give only the pages the row still owns.
 The tensor grows by doubling up to ``max_rows x max_blocks_per_row``, so a table sized for a
 million-token sequence costs memory only when such a sequence exists.
 """
@@ -32,6 +38,7 @@ class BlockTable:
         self._rows_np = self.rows_RW.numpy()
         # Compact (8 bytes a row each): the coordinator keeps max_sequences rows per shard for its lifetime.
         self.num_blocks = array("q", bytes(8 * max_rows))
+        self.num_released = array("q", bytes(8 * max_rows))   # leading ids of each row it no longer owns
         self._free_rows = array("q", range(max_rows - 1, -1, -1))
 
     def _grow(self, rows: int, width: int) -> None:
@@ -83,19 +90,36 @@ class BlockTable:
         """Keep the first ``num_blocks`` ids of the row; return (and clear) the dropped ones."""
         if num_blocks < 0:
             raise InvalidRequestError(f"cannot truncate row {row} to {num_blocks} blocks: use a count >= 0")
+        if 0 < num_blocks < self.num_released[row]:
+            raise InvalidRequestError(f"cannot truncate row {row} to {num_blocks} blocks: its first "
+                                      f"{self.num_released[row]} were released (only a step's new pages are undone)")
         n = self.num_blocks[row]
         if num_blocks >= n:
             return []
-        dropped = self.rows_RW[row, num_blocks:n].tolist()
+        dropped = self.rows_RW[row, max(num_blocks, self.num_released[row]):n].tolist()
         self.rows_RW[row, num_blocks:n] = PAD_BLOCK_ID
         self.num_blocks[row] = num_blocks
+        self.num_released[row] = min(self.num_released[row], num_blocks)
         return dropped
 
     def remove_row(self, row: int) -> list[int]:
-        """Clear the row entirely and make it reusable; return the ids it held."""
+        """Clear the row entirely and make it reusable; return the ids it still owned."""
         dropped = self.truncate(row, 0)
         self._free_rows.append(row)
         return dropped
+
+    def release_prefix(self, row: int, count: int) -> list[int]:
+        """The row no longer owns its first ``count`` pages (their ids stay); return the ones it owned until now."""
+        count = min(count, self.num_blocks[row])
+        start = self.num_released[row]
+        if count <= start:
+            return []
+        self.num_released[row] = count
+        return self._rows_np[row, start:count].tolist()
+
+    def owned(self, row: int) -> list[int]:
+        """The pages the row owns: all of it but its released prefix."""
+        return self.rows_RW[row, self.num_released[row]:self.num_blocks[row]].tolist()
 
     def replace(self, row: int, index: int, block: int) -> int:
         """Put ``block`` at ``index`` of the row (a copy-on-write page); return the id it replaces."""

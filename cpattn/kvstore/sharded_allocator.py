@@ -12,6 +12,11 @@ replica row. A step that writes into a shared page (the partly filled last page 
 first gets a private copy of it (copy on write): ``grow`` allocates the copy and puts it in the row,
 the step's plan tells the shard to copy the page's KV before writing, and the row's reference to the
 shared page is dropped only when the step commits (``finish``), so a rollback puts it back untouched.
+
+When every layer has a sliding window, pages holding only tokens no later query can see go back to the
+pools as the sequence grows (``release_before``; block_table.py: the row keeps their ids, owns them no more),
+so a sequence holds about its window, not its length, on each shard (vLLM's sliding-window manager does
+the same). A fork may start only where its first query's window finds every page still held.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from cpattn.errors import CapacityError
 from cpattn.kvstore.block_pool import BlockPool
-from cpattn.kvstore.block_table import BlockTable
+from cpattn.kvstore.block_table import PAD_BLOCK_ID, BlockTable
 from cpattn.kvstore.sharding import dcp_local_seq_len
 
 
@@ -62,7 +67,8 @@ class Growth:
 
 class ShardedKVAllocator:
     def __init__(self, num_shards: int, blocks_per_shard: int, block_size: int, interleave: int,
-                 max_rows: int, replicas: int = 1):
+                 max_rows: int, replicas: int = 1, max_blocks_per_row: int | None = None):
+        """``max_blocks_per_row``: the longest row (default: the pool's size; longer where pages are released)."""
         if replicas not in (1, 2) or (replicas == 2 and num_shards < 2):
             raise ValueError(f"replicas {replicas} with {num_shards} shards: use 1, or 2 with at least 2 shards")
         self.num_shards = num_shards
@@ -71,7 +77,8 @@ class ShardedKVAllocator:
         self.replicas = replicas
         self.pools = [BlockPool(blocks_per_shard, shard=r) for r in range(num_shards)]
         rows_per_shard = max_rows * replicas
-        self.tables = [BlockTable(rows_per_shard, blocks_per_shard) for _ in range(num_shards)]
+        self.max_blocks_per_row = max_blocks_per_row or blocks_per_shard
+        self.tables = [BlockTable(rows_per_shard, self.max_blocks_per_row) for _ in range(num_shards)]
 
     # Placement of replicas: half the ring away, so with ranks sorted by node the copy of a shard's
     # tokens sits on another node whenever nodes hold equal numbers of shards.
@@ -99,8 +106,31 @@ class ShardedKVAllocator:
         return all(t.num_free_rows >= self.replicas for t in self.tables)
 
     def pages_of(self, rows: SequenceRows) -> dict[tuple[int, int], list[int]]:
-        """(shard, row) -> page ids for every row of a sequence (what the journal persists)."""
-        return {(shard, row): self.tables[shard].row(row) for shard, row, _ in self._entries(rows)}
+        """(shard, row) -> page ids for every row of a sequence, released ones as PAD_BLOCK_ID (what the journal
+        persists: a released id may be another sequence's page by now)."""
+        pages = {}
+        for shard, row, _ in self._entries(rows):
+            table = self.tables[shard]
+            pages[(shard, row)] = [PAD_BLOCK_ID] * table.num_released[row] + table.owned(row)
+        return pages
+
+    def dead_pages(self, position: int, owner: int) -> int:
+        """Pages of ``owner``'s tokens wholly before global ``position`` (the first key a query may still read)."""
+        return self.local_tokens(max(0, position), owner) // self.block_size
+
+    def release_before(self, rows: SequenceRows, position: int) -> int:
+        """Every row of the sequence gives back its pages wholly before global ``position``; the number freed."""
+        freed = 0
+        for shard, row, owner in self._entries(rows):
+            pages = self.tables[shard].release_prefix(row, self.dead_pages(position, owner))
+            self.pools[shard].free(pages)
+            freed += len(pages)
+        return freed
+
+    def released_past(self, rows: SequenceRows, position: int) -> bool:
+        """Whether some row released a page holding a token at or after global ``position``."""
+        return any(self.tables[shard].num_released[row] > self.dead_pages(position, owner)
+                   for shard, row, owner in self._entries(rows))
 
     def add_rows(self) -> SequenceRows:
         """Rows on every shard for a new sequence (primary, and replica when replicated)."""
@@ -181,9 +211,12 @@ class ShardedKVAllocator:
         are shared (one more reference each, on every shard and replica row), none is copied."""
         rows = self.add_rows()
         for (shard, src_row, owner), (_, dst_row, _) in zip(self._entries(source), self._entries(rows)):
-            pages = self.tables[shard].row(src_row)[:self.blocks_for(num_tokens, owner)]
-            self.pools[shard].incref(pages)
-            self.tables[shard].append(dst_row, pages)
+            table = self.tables[shard]
+            pages = table.row(src_row)[:self.blocks_for(num_tokens, owner)]
+            released = min(table.num_released[src_row], len(pages))   # ids the source no longer owns: not shared
+            self.pools[shard].incref(pages[released:])
+            table.append(dst_row, pages)
+            table.release_prefix(dst_row, released)
         return rows
 
     def release(self, rows: SequenceRows) -> None:
@@ -197,14 +230,19 @@ def restore_allocator(allocator: ShardedKVAllocator, sequences: list[tuple[Seque
 
     Pages beyond what the committed length needs (a step that never committed) are dropped, so
     they return to the free pool. A page several sequences list (a forked prefix) gets one reference
-    per sequence, so forks survive a restart exactly as they were shared.
+    per sequence, so forks survive a restart exactly as they were shared. Released pages (PAD_BLOCK_ID,
+    leading) stay released; their ids in the row become the row's first owned page (no kernel reads them).
     """
     taken: list[list[int]] = [[] for _ in range(allocator.num_shards)]
     for rows, length, pages in sequences:
         for shard, row, owner in allocator._entries(rows):
             keep = pages.get((shard, row), [])[:allocator.blocks_for(length, owner)]
-            taken[shard] += keep
-            allocator.tables[shard].claim_row(row)
-            allocator.tables[shard].append(row, keep)
+            released = next((i for i, p in enumerate(keep) if p != PAD_BLOCK_ID), len(keep))
+            owned = keep[released:]
+            taken[shard] += owned
+            table = allocator.tables[shard]
+            table.claim_row(row)
+            table.append(row, [owned[0] if owned else 0] * released + owned)
+            table.release_prefix(row, released)
     for shard, blocks in enumerate(taken):
         allocator.pools[shard].take(blocks)

@@ -1,0 +1,71 @@
+"""Every layer windowed: the running service (local Ray, CPU, TORCH) gives back the pages before each
+sequence's window, so a sequence grows past the whole cache while other sequences take the released pages,
+and every output stays the float64 oracle's (service_oracle.py, no cpattn code). The state-level checks
+are tests/test_window_release.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpattn.errors import CapacityError, InvalidRequestError
+from reliability_common import kill_shard, wait_rank_replaced
+from service_oracle import Oracle, run_step
+
+
+def _used(svc) -> int:
+    return sum(s["blocks_used"] for s in svc.stats()["shards"])
+
+
+def test_a_windowed_sequence_outgrows_the_cache_beside_others(start_service):
+    """3 shards, pages of 4, 10 pages a shard (120 tokens in all); windows 7 and 5; chunks split by PCP, decode
+    runs, a sequence freed and a new one taking the released pages, a fork at the length."""
+    svc = start_service(num_shards=3, sliding_window=[7, 5], num_blocks_per_shard=10, pcp_min_tokens=6)
+    cache = 3 * 10 * 4
+    oracle = Oracle(svc.config, 11)
+    a, b = svc.add_sequence(), svc.add_sequence()
+    assert run_step(svc, oracle, {a: 20, b: 9}) <= 1e-10
+    for _ in range(12):
+        assert run_step(svc, oracle, {a: 1, b: 1}) <= 1e-10
+    for _ in range(4):
+        assert run_step(svc, oracle, {a: 25}) <= 1e-10
+    svc.free(b)
+    oracle.drop(b)
+    c = svc.add_sequence()
+    assert run_step(svc, oracle, {c: 30, a: 2}) <= 1e-10
+    for _ in range(20):
+        assert run_step(svc, oracle, {a: 1, c: 1}) <= 1e-10
+    assert svc.sequence_length(a) == 154 > cache
+    assert _used(svc) <= 2 * 3 * 4          # two sequences of a window of 7: 1-2 pages a shard each, + a run's
+    with pytest.raises(InvalidRequestError, match="release_pages_outside_window=False"):
+        svc.fork(a, num_tokens=100)
+    used = _used(svc)
+    assert svc.sequence_length(a) == 154 and _used(svc) == used   # the refused fork changed nothing
+    f = svc.fork(a)
+    oracle.fork(a, f, 154)
+    for _ in range(3):
+        assert run_step(svc, oracle, {f: 1, a: 1}) <= 1e-10
+    assert run_step(svc, oracle, {f: 9}) <= 1e-10
+    svc.free(a)
+    oracle.drop(a)
+    assert run_step(svc, oracle, {f: 1, c: 1}) <= 1e-10
+    with pytest.raises(CapacityError, match="tokens of its window"):
+        with svc.step({f: cache}):
+            pass
+    assert run_step(svc, oracle, {f: 1}) <= 1e-10   # the refused step changed nothing
+
+
+def test_released_pages_with_replicas_survive_a_killed_shard(start_service):
+    """kv_replicas=2: a refill copies only the pages each row still owns (a released id may be another
+    sequence's page by now); steps after the replacement match the oracle."""
+    svc = start_service(num_shards=3, kv_replicas=2, sliding_window=6, num_blocks_per_shard=16,
+                        rpc_timeout_s=10.0, collective_timeout_s=5.0, health_check_interval_s=1.0,
+                        start_timeout_s=120.0)
+    oracle = Oracle(svc.config, 12)
+    a = svc.add_sequence()
+    for n in (30, 30, 30, 1, 1, 1):
+        assert run_step(svc, oracle, {a: n}) <= 1e-10
+    b = svc.add_sequence()                   # takes pages a released
+    assert run_step(svc, oracle, {b: 40}) <= 1e-10
+    wait_rank_replaced(svc, 1, kill_shard(svc, 1))
+    for request in ({a: 1, b: 1}, {a: 7}, {b: 1}):
+        assert run_step(svc, oracle, request) <= 1e-10
