@@ -66,7 +66,8 @@ def extension_length(table: SequenceTable, step, seqs: list[Sequence], ahead, fr
         num_steps = min(num_steps, table.limits.capacity_tokens() - end)
     quota = table.config.max_tokens_per_client
     if quota is not None and seqs:   # the run's planned tokens count as held
-        planned = sum(map(table.limits.held_tokens, table.owned_by(step.client_id))) + (step.num_substeps - step.done) * len(seqs)
+        held = sum(map(table.limits.held_tokens, table.owned_by(step.client_id)))
+        planned = held + (step.num_substeps - step.done) * len(seqs)
         num_steps = min(num_steps, (quota - planned) // len(seqs))
     return max(num_steps, 0)
 

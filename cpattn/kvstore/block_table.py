@@ -2,14 +2,14 @@
 
 Rows are reused after a request frees them; clearing the whole row on free is what keeps a
 reused row from showing the previous request's pages (a known silent-corruption class).
+The tensor grows by doubling up to ``max_rows x max_blocks_per_row``, so a table sized for a
+million-token sequence costs memory only when such a sequence exists.
 
 A row may have *released* its first pages (every layer of the model has a sliding window, and no future
 query's window reaches them: ``release_prefix``). Their ids stay in the row, so every copy of the row a
 client, a shard or a captured graph holds stays valid as it was; no kernel reads them (each skips the pages
 wholly before its window), and the row no longer owns them: they are back in the pool, maybe another
 sequence's now. ``owned`` and ``remove_row`` give only the pages the row still owns.
-The tensor grows by doubling up to ``max_rows x max_blocks_per_row``, so a table sized for a
-million-token sequence costs memory only when such a sequence exists.
 """
 
 from __future__ import annotations
