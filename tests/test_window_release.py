@@ -165,3 +165,14 @@ def test_limits_count_the_window_a_sequence_holds():
         table.limits.check_growth(seq, 87, "num_tokens", "in")
     with pytest.raises(CapacityError, match="exceed the longest block-table row of a windowed sequence"):
         table.limits.check_growth(seq, table.limits.capacity_tokens(), "num_tokens", "in")
+
+
+@pytest.mark.parametrize("shards,interleave", [(1, 1), (2, 1), (3, 4), (4, 2)])
+def test_next_page_end_is_where_some_shard_first_leaves_a_page_behind(shards, interleave):
+    alloc = ShardedKVAllocator(shards, 8, 4, interleave, 2)
+    for position in range(0, 120):
+        dead = [alloc.dead_pages(position, r) for r in range(shards)]
+        end = alloc.next_page_end(position)
+        assert end > position
+        assert all(alloc.dead_pages(p, r) == dead[r] for p in range(position, end) for r in range(shards))
+        assert any(alloc.dead_pages(end, r) > dead[r] for r in range(shards))

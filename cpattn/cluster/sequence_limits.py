@@ -92,5 +92,11 @@ class SequenceLimits:
     def release_outside_window(self, seq) -> bool:
         """A committed length: pages wholly before the window of its last token go back to the pools (every later
         query's window starts after it). As when a sequence is freed, the step's reads are over by its commit.
-        Whether any page went back."""
-        return self.window is not None and self.allocator.release_before(seq.rows, seq.length - self.window) > 0
+        Whether any page went back. Between page ends nothing can go back, so most commits (a decode's, B of
+        them per step) only compare two ints: the full check cost ~1.7 us a sequence (B=64, 2 shards, 2-core box)."""
+        if self.window is None or seq.length - self.window < seq.release_from:
+            return False
+        position = seq.length - self.window
+        freed = self.allocator.release_before(seq.rows, position)
+        seq.release_from = self.allocator.next_page_end(position)
+        return freed > 0

@@ -32,6 +32,7 @@ class Sequence:
     persisted_pages: int = -1   # pages the journal holds for this sequence (-1: none yet)
     last_step: int = 0          # the step that committed ``length`` (journalled with it)
     pages_version: int = 0      # +1 whenever pages a client may hold are taken back (cluster/page_delta.py)
+    release_from: int = 0       # length - window at which a page can next go back (sequence_limits.py)
 
 
 class SequenceTable:

@@ -118,6 +118,16 @@ class ShardedKVAllocator:
         """Pages of ``owner``'s tokens wholly before global ``position`` (the first key a query may still read)."""
         return self.local_tokens(max(0, position), owner) // self.block_size
 
+    def next_page_end(self, position: int) -> int:
+        """The smallest global position after ``position`` at which some shard's ``dead_pages`` grows: the position
+        after the last token of the first page that ``position`` does not yet leave wholly behind, on any shard."""
+        n, inter, bs = self.num_shards, self.interleave, self.block_size
+        ends = []
+        for owner in range(n):
+            last = (self.dead_pages(position, owner) + 1) * bs - 1      # that page's last local token
+            ends.append((last // inter) * n * inter + owner * inter + last % inter + 1)
+        return min(ends)
+
     def release_before(self, rows: SequenceRows, position: int) -> int:
         """Every row of the sequence gives back its pages wholly before global ``position``; the number freed."""
         freed = 0
