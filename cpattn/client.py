@@ -126,7 +126,9 @@ class Service:
         """Append seeded random KV without attention (benchmarks and load tests); returns the new length.
 
         The KV written is ``cpattn.cluster.shard_kv.synthetic_kv(seed, layer, 0, num_tokens, Hk, D, device)`` (the
-        fill's tokens in order, drawn on the shards' device).
+        fill's tokens in order, drawn on the shards' device). Where every layer is windowed, the pages before the
+        window go back when a fill commits, not during it: fill a prefix longer than the cache in pieces that fit
+        (examples/long_context_job.py fills in chunks).
         """
         self._check_open()
         return self.gateway.call("fill_synthetic", canonical_id(seq_id), num_tokens, seed)
