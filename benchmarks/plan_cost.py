@@ -41,14 +41,17 @@ class Case:
     new: int          # tokens per sequence in the step: 1 = a decode run
     shards: int = 2
     replicas: int = 1
+    window: int | None = None   # on every layer: commits give back the pages before it (release_pages_outside_window)
 
 
 CASES = {c.name: c for c in (
     Case("decode_128k", 1, 131072, 1), Case("decode_1m", 1, 1048576, 1), Case("decode_b64_32k", 64, 32768, 1),
     Case("decode_b64_32k_r2", 64, 32768, 1, shards=3, replicas=2), Case("prefill_32k", 1, 0, 32768),
-    Case("chunked_8k_on_512k", 1, 524288, 8192))}
+    Case("chunked_8k_on_512k", 1, 524288, 8192), Case("decode_b64_32k_w4096", 64, 32768, 1, window=4096),
+    Case("chunked_8k_on_512k_w4096", 1, 524288, 8192, window=4096))}
 SMOKE = {c.name: c for c in (Case("decode_smoke", 1, 300, 1), Case("decode_b4_smoke", 4, 70, 1, shards=3, replicas=2),
-                             Case("prefill_smoke", 1, 0, 96))}
+                             Case("prefill_smoke", 1, 0, 96),
+                             Case("decode_b4_w_smoke", 4, 70, 1, shards=3, replicas=2, window=24))}
 
 
 def _coordinator(case: Case, run_steps: int, repeats: int):
@@ -61,7 +64,7 @@ def _coordinator(case: Case, run_steps: int, repeats: int):
     cfg = ServiceConfig(num_shards=case.shards, kv_replicas=case.replicas, num_layers=1, num_q_heads=4, num_kv_heads=2,
                         head_size=16, block_size=16, num_blocks_per_shard=2 * tokens // 16 // case.shards + 64,
                         device="cpu", dtype="float32", max_tokens_per_step=1 << 20, max_tokens_per_client=None,
-                        max_sequences=max(8, 2 * case.batch))
+                        max_sequences=max(8, 2 * case.batch), sliding_window=case.window)
     coordinator = Coordinator(cfg)
     client_id = coordinator.clients.check(coordinator.register_client()["credential"])
     return coordinator, client_id
@@ -120,7 +123,8 @@ def run_case(case: Case, run_steps: int, repeats: int) -> dict:
     median = {k: 1e3 * statistics.median(s[k] for s in samples) for k in ("plan", "messages", "build")}
     return {"case": case.name, "batch": case.batch, "context": case.context, "new": case.new, "shards": case.shards,
             "replicas": case.replicas, "steps_per_begin": samples[0]["steps"], "kb_sent": samples[0]["bytes"] / 1e3,
-            **{f"{k}_ms_per_step": v for k, v in median.items()}, "total_ms_per_step": sum(median.values())}
+            **{f"{k}_ms_per_step": v for k, v in median.items()}, "total_ms_per_step": sum(median.values()),
+            "window": case.window, "blocks_used": sum(coordinator.table.blocks_used())}
 
 
 HEADER = (f"{'case':>20} {'B':>3} {'shards':>6} {'steps':>5} {'plan':>7} {'messages':>8} {'build':>7} {'total':>7} "

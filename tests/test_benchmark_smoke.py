@@ -59,7 +59,9 @@ def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
 def test_plan_cost_smoke_measures_every_part(tmp_path):
     """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
     rows = {r["case"]: r for r in _smoke_rows(tmp_path, "plan_cost.py", timeout_s=300)}
-    assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke"}
+    assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "decode_b4_w_smoke"}
+    # The same runs with a window on every layer: the commits gave back the pages before it.
+    assert rows["decode_b4_w_smoke"]["blocks_used"] < rows["decode_b4_smoke"]["blocks_used"] / 4
     assert rows["decode_smoke"]["steps_per_begin"] == cpattn.ServiceConfig.model_fields["decode_run_steps"].default and rows["prefill_smoke"]["steps_per_begin"] == 1
     for r in rows.values():
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
