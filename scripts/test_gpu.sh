@@ -11,7 +11,8 @@
 #   bash scripts/test_gpu.sh dataplane   # in-process + NCCL + gloo data planes (two GPUs for most cases)
 #   bash scripts/test_gpu.sh flashinfer  # FlashInfer's cases of all of the above
 #   bash scripts/test_gpu.sh usergraph   # svc.decode_graph: a model's decode forward in one CUDA graph (1 and 2 GPUs)
-#   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows, soft caps, sinks per backend vs float64 (not
+#   bash scripts/test_gpu.sh features    # fp8 KV, sliding windows (and the pages they give back through the
+#                                        # service), soft caps, sinks per backend vs float64 (not
 #                                        # FlashInfer's: those run in the flashinfer part); speed goals:
 #                                        # python benchmarks/triton_decode_sweep.py --goals-only
 #   bash scripts/test_gpu.sh prefill     # prefill FLASH_ATTN beside decode TRITON on 1 and 2 GPUs vs float64, the
@@ -36,6 +37,7 @@ case "$part" in
                tests/gpu/test_client_graphs_gpu.py \
                -k "not FLASHINFER" "$@" ;;
   features) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs -s tests/gpu/test_backend_features_gpu.py \
+              tests/gpu/test_window_release_gpu.py \
               -k "not FLASHINFER" "$@" ;;
   usergraph) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_graph_gpu.py "$@" ;;
   prefill) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_prefill_backend_gpu.py \
