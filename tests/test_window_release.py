@@ -125,6 +125,7 @@ def test_forks_start_where_the_window_still_holds_pages():
                                                   r"release_pages_outside_window=False"):
         table.fork(src, "c-1", "early", 40)
     assert table.allocator.tables[0].num_free_rows == rows_before and table.blocks_used() == used_before
+    assert table.fork(src, "c-1", "empty", 0).length == 0   # shares no page
     fork = table.fork(src, "c-1", "late", 58)      # its first query (position 58) sees keys from 51 on
     _step(table, {"late": 3})
     _check_rows(table)

@@ -81,8 +81,9 @@ class SequenceLimits:
 
     def check_fork(self, source, num_tokens: int) -> None:
         """A fork of ``source``'s first ``num_tokens`` tokens finds every page its first query's window reads."""
-        if self.window is None or not self.allocator.released_past(source.rows, num_tokens - self.window + 1):
-            return
+        if self.window is None or num_tokens == 0 or not self.allocator.released_past(source.rows,
+                                                                                     num_tokens - self.window + 1):
+            return   # (a fork of no tokens shares no page)
         raise InvalidRequestError(
             f"cannot fork sequence {source.seq_id} at {num_tokens} tokens: it holds {source.length}, and the pages "
             f"of positions before {max(0, source.length - self.window)} went back to the pool (every layer has a "
