@@ -17,7 +17,7 @@ def test_windowed_sequences_outgrow_the_cache_on_gpu(ray_session, backend, kv, i
     import cpattn
     from conftest import service_config
     from service_oracle import Oracle, relative_step
-    from test_service_gpu import _usable
+    from tests.gpu.test_service_gpu import _usable
 
     why = _usable(backend, 16)
     if why:
