@@ -82,9 +82,9 @@ row_spec() {
     # layer, so a whole 1M prefill is 128 chunks of ~0.3 s (41 s on one H200, 2026-12-06). The service gives back the
     # pages before the window, so the cache is sized for ~12K tokens a sequence (it held all 1M before, 64 GiB of fp8).
     mis1fp8-1m)     echo "120|0.5|--model mistral-7b --prompt-len $M --shards 1 --kv-cache-dtype fp8_e4m3 --oracle-check" ;;   # 95 s on one H200, 2026-12-06 (the whole cache then)
-    mis1-1m)        echo "120|0.5|--model mistral-7b --prompt-len $M --shards 1 --oracle-check" ;;   # bf16 on one GPU: ~1.6 GiB of KV
+    mis1-1m)        echo "130|0.5|--model mistral-7b --prompt-len $M --shards 1 --oracle-check" ;;   # bf16 on one GPU: 123 s on one H200, 0.5 GiB of KV held, 2026-12-06
     mis2-1m)        echo "120|0.5|--model mistral-7b --prompt-len $M --shards 2 --oracle-check" ;;
-    mis1fp8-1m-synth) echo "70|0.5|--model mistral-7b --prompt-len $M --synthetic-prefix $((M - 8192)) --shards 1 --kv-cache-dtype fp8_e4m3" ;;   # 57 s, 2026-12-06
+    mis1fp8-1m-synth) echo "85|0.5|--model mistral-7b --prompt-len $M --synthetic-prefix $((M - 8192)) --shards 1 --kv-cache-dtype fp8_e4m3" ;;   # 76 s, 2026-12-06 (the fill in chunks: 13 s)
     *) return 1 ;;
   esac
 }
