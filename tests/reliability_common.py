@@ -78,3 +78,19 @@ def wait_replaced(svc, count: int, timeout_s: float = 90.0) -> float:
     t0 = time.monotonic()
     wait_for(lambda: svc.stats()["shards_replaced"] >= count, timeout_s, f"shards_replaced >= {count}", 0.05)
     return time.monotonic() - t0
+
+
+def kill_coordinator_and_wait_restored(svc, timeout_s: float = 60.0) -> float:
+    """ray.kill the detached coordinator (Ray restarts it); returns seconds until the restored one answers."""
+    import cpattn
+
+    t0 = time.monotonic()
+    ray.kill(svc.gateway.coordinator, no_restart=False)
+    while True:   # ray.kill is asynchronous: wait for the restarted instance, not the old one
+        try:
+            if svc.info()["restored"]:
+                return time.monotonic() - t0
+        except cpattn.CpattnError:
+            pass
+        assert time.monotonic() - t0 < timeout_s, f"coordinator did not come back within {timeout_s} s"
+        time.sleep(0.1)

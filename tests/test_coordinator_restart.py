@@ -12,6 +12,7 @@ import cpattn
 from conftest import service_config
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator, restore_allocator
 from cpattn.errors import StepFencedError
+from reliability_common import kill_coordinator_and_wait_restored
 from service_oracle import Oracle, run_step
 
 
@@ -87,20 +88,6 @@ def test_restarted_coordinator_keeps_sequences_and_outputs_stay_exact(ray_sessio
     assert not [n for n in names if n.startswith(cfg.name)], names
 
 
-def _kill_coordinator_and_wait_restored(svc, timeout_s: float = 60.0) -> float:
-    """ray.kill the detached coordinator (Ray restarts it); returns seconds until the restored one answers."""
-    t0 = time.monotonic()
-    ray.kill(svc.gateway.coordinator, no_restart=False)
-    while True:   # ray.kill is asynchronous: wait for the restarted instance, not the old one
-        try:
-            if svc.info()["restored"]:
-                return time.monotonic() - t0
-        except cpattn.CpattnError:
-            pass
-        assert time.monotonic() - t0 < timeout_s, f"coordinator did not come back within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def test_restart_during_an_open_step_fences_it_and_never_corrupts_another_client(ray_session):
     """Issue 12 item 1: client A has a step open when the coordinator restarts; the restored coordinator
     hands A's uncommitted pages to client B. A's remaining layers must never be written into them: the
@@ -121,7 +108,7 @@ def test_restart_during_an_open_step_fences_it_and_never_corrupts_another_client
         q, k, v = oa.random_qkv(24)
         ref, _ = oa.reference({sa: 24}, 0, q, k, v)
         assert (step.attend(0, q, k, v).double() - ref).abs().max().item() <= 1e-10
-        _kill_coordinator_and_wait_restored(a)
+        kill_coordinator_and_wait_restored(a)
         # The restored coordinator freed A's uncommitted pages; B's step takes them.
         assert [s["blocks_free"] for s in b.stats()["shards"]] == free_before
         run_step(b, ob, {sb: 24})
@@ -195,7 +182,7 @@ def test_a_replacement_left_unfilled_by_a_dead_coordinator_is_replaced_again(ray
         half._pg = get_placement_group(placement_group_name(cfg.name))
         unready = half._new_shard(bundle, ready=False)
         assert ray.get(unready.info.remote(meta["shard_secret"]), timeout=60).ready is False
-        _kill_coordinator_and_wait_restored(svc)
+        kill_coordinator_and_wait_restored(svc)
         run_step(svc, oracle, {a: 2, b: 3})        # exact: the unready shard was replaced and refilled
         assert svc.stats()["shards_replaced"] == 1
         run_step(svc, oracle, {a: 1})

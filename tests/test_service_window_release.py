@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpattn.errors import CapacityError, InvalidRequestError
-from reliability_common import kill_shard, wait_rank_replaced
+from reliability_common import kill_coordinator_and_wait_restored, kill_shard, wait_rank_replaced
 from service_oracle import Oracle, run_step
 
 
@@ -79,4 +79,24 @@ def test_released_pages_with_replicas_survive_a_killed_shard(start_service):
     assert run_step(svc, oracle, {b: 40}) <= 1e-10
     wait_rank_replaced(svc, 1, kill_shard(svc, 1))
     for request in ({a: 1, b: 1}, {a: 7}, {b: 1}):
+        assert run_step(svc, oracle, request) <= 1e-10
+
+
+def test_released_pages_survive_a_coordinator_restart(start_service):
+    """A detached service: the journal holds released entries as -1, so the restored coordinator takes back only
+    the pages each row owns (another sequence holds the rest) and steps go on exactly."""
+    svc = start_service(detached=True, sliding_window=6, num_blocks_per_shard=10, health_check_interval_s=0.5)
+    oracle = Oracle(svc.config, torch.randint(0, 10**6, ()).item())
+    a = svc.add_sequence()
+    for n in (40, 40, 40, 1, 1, 30):
+        assert run_step(svc, oracle, {a: n}) <= 1e-10
+    b = svc.add_sequence()                   # takes pages a released
+    assert run_step(svc, oracle, {b: 50, a: 1}) <= 1e-10
+    before = [s["blocks_used"] for s in svc.stats()["shards"]]
+    kill_coordinator_and_wait_restored(svc)
+    assert svc.sequences() == {a: 153, b: 50}
+    assert [s["blocks_used"] for s in svc.stats()["shards"]] == before
+    f = svc.fork(a)
+    oracle.fork(a, f, 153)
+    for request in ({a: 1, b: 1}, {f: 12}, {a: 20, f: 1, b: 1}):
         assert run_step(svc, oracle, request) <= 1e-10
