@@ -14,7 +14,7 @@ from cpattn.cluster.recovery import refill_copies
 from cpattn.cluster.sequence_table import SequenceTable
 from cpattn.errors import CapacityError, InvalidRequestError
 from cpattn.kvstore.sharded_allocator import ShardedKVAllocator, restore_allocator
-from cpattn.kvstore.sharding import dcp_local_seq_len
+from service_oracle import local_tokens   # counts positions: independent of cpattn's DCP arithmetic
 
 
 def _table(**overrides) -> SequenceTable:
@@ -30,14 +30,14 @@ def _step(table: SequenceTable, request: dict) -> None:
 
 
 def _check_rows(table: SequenceTable) -> None:
-    """Every row owns exactly its pages from the first one holding a token at or after length - W (and no other
-    row owns them), and the pools hold exactly the owned pages, once per owner."""
+    """Every row owns exactly its pages from the first one holding a token at or after length - W, counted by
+    brute force, and the pools hold exactly the owned pages, once per owner."""
     alloc, window, bs = table.allocator, table.limits.window, table.config.block_size
     owners: list[dict[int, int]] = [{} for _ in range(alloc.num_shards)]
     for seq in table.sequences.values():
         for shard, row, owner in alloc._entries(seq.rows):
             t = alloc.tables[shard]
-            first = dcp_local_seq_len(max(0, seq.length - window), alloc.num_shards, owner, alloc.interleave) // bs
+            first = local_tokens(max(0, seq.length - window), alloc.num_shards, owner, alloc.interleave) // bs
             assert t.num_released[row] == min(first, t.num_blocks[row]), (seq.seq_id, shard, row)
             for page in t.owned(row):
                 owners[shard][page] = owners[shard].get(page, 0) + 1
