@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU regression sweep within one device `run`: scripts/test_gpu.sh's parts one after another, each cut at
+# what is left of BUDGET_S, a part not started when its usual time no longer fits (it says so), each part's JUnit
+# XML and JSON summary under $OUT, and one table at the end. Device time comes in 10-minute calls and failed
+# starts eat it, so a sweep that stops cleanly where the budget ends, with what ran written down, is what lets
+# the next call (or session) start from the first part not run.
+#   source /tmp/site/env.sh && BUDGET_S=560 OUT=$OUT bash scripts/gpu_sweep.sh kernels features steady
+# Parts: those of scripts/test_gpu.sh (default: all but flashinfer, in the order below). Extra pytest arguments
+# after `--` go to every part. Exit status: 1 when a part failed, else 0 (parts skipped for time are listed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out/gpu_sweep}
+mkdir -p "$out"
+budget=${BUDGET_S:-560}
+py=${PYTHON:-python3}
+# Seconds each part took on nvidia-h200 (sessions 17-25; flashinfer with its JIT on a fresh machine).
+declare -A usual=([kernels]=240 [variants]=240 [service]=200 [steady]=150 [dataplane]=120 [usergraph]=90
+                  [features]=200 [prefill]=200 [flashinfer]=420)
+parts=() extra=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
+  [ -n "${usual[$1]:-}" ] || { echo "gpu_sweep: unknown part '$1' (one of: ${!usual[*]})" >&2; exit 2; }
+  parts+=("$1"); shift
+done
+[ ${#parts[@]} -gt 0 ] || parts=(kernels features service steady dataplane usergraph prefill variants)
+t0=$(date +%s)
+failed=0
+table="| part | passed | failed | errors | skipped | seconds | note |\n|---|---|---|---|---|---|---|\n"
+for part in "${parts[@]}"; do
+  left=$(( budget - ($(date +%s) - t0) ))
+  if [ "$left" -lt "${usual[$part]}" ]; then
+    echo "gpu_sweep: $part not started: ${left} s left, it usually takes ${usual[$part]} s"
+    table+="| $part | | | | | | not started (${left} s left) |\n"
+    continue
+  fi
+  start=$(date +%s)
+  timeout "$left" bash scripts/test_gpu.sh "$part" --junitxml="$out/sweep_$part.xml" "${extra[@]}" \
+    > "$out/sweep_$part.log" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - start ))
+  "$py" benchmarks/junit_json.py "$out/sweep_$part.xml" "$out/sweep_$part.json"
+  row=$("$py" - "$out/sweep_$part.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1]))
+if "error" in s:
+    print("| | | | |")
+else:
+    passed = s["tests"] - s["failures"] - s["errors"] - s["skipped"]
+    print(f"{passed} | {s['failures']} | {s['errors']} | {s['skipped']} |")
+EOF
+)
+  note="rc $rc"
+  [ "$rc" = 124 ] && note="cut at the budget"
+  [ "$rc" = 5 ] && note="nothing ran (no CUDA, or -k chose none): $(tail -1 "$out/sweep_$part.log")"
+  { [ "$rc" != 0 ] && [ "$rc" != 5 ]; } && failed=1   # 5: pytest collected nothing (filtered out)
+  table+="| $part | $row $took | $note |\n"
+  echo "gpu_sweep: $part rc=$rc in ${took} s"; tail -1 "$out/sweep_$part.log"
+done
+printf "%b" "$table" | tee "$out/sweep_summary.md"
+exit $failed
