@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from cpattn.errors import CapacityError, InvalidRequestError
+from reliability_common import kill_coordinator_and_wait_restored, kill_shard, wait_rank_replaced
 from service_oracle import Oracle, local_tokens, run_step
+
+AHEAD = 8   # decode_run_steps of every service here: a run allocates up to this many tokens of pages ahead
 
 
 def _owned_bound(length: int, window: int, shards: int, rank: int, interleave: int, block_size: int) -> int:
@@ -27,26 +31,52 @@ def _state(svc) -> tuple:
     return svc.sequences(), [s["blocks_used"] for s in svc.stats()["shards"]]
 
 
-@pytest.mark.parametrize("run", range(2))
-def test_random_workloads_stay_exact_and_hold_only_their_windows(start_service, run):
-    seed = torch.randint(0, 10**9, ()).item()
-    rng = random.Random(seed)
-    shards, block = rng.choice([1, 2, 3, 5]), rng.choice([2, 4, 8])
-    interleave = rng.choice([i for i in (1, 2, 4) if block % i == 0])   # pages hold whole interleave runs
-    q_heads, kv_heads = rng.choice([(4, 2), (2, 1), (4, 4), (6, 2)])
-    windows = [rng.randint(1, 24) for _ in range(2)]
-    replicas = rng.choice([1, 2]) if shards > 1 else 1
-    ahead = 8   # decode_run_steps below: a run allocates up to this many tokens of pages ahead
-    # Room for ~3 sequences' windows, their chunks and a run ahead, far less than the tokens written.
-    per_seq = (math.ceil((max(windows) + 16 + ahead) / (shards * block)) + 2 + interleave) * replicas
-    svc = start_service(num_shards=shards, dcp_interleave=interleave, block_size=block, num_q_heads=q_heads,
-                        num_kv_heads=kv_heads, sliding_window=windows, num_blocks_per_shard=3 * per_seq,
-                        decode_run_steps=ahead, pcp_min_tokens=rng.choice([4, 6, 1000]), kv_replicas=replicas)
-    where = f"seed {seed}: {shards} shards x{replicas}, I={interleave}, pages of {block}, windows {windows}"
-    oracle = Oracle(svc.config, seed)
+@dataclass
+class Geometry:
+    shards: int
+    block: int
+    interleave: int
+    windows: list[int]
+    replicas: int
+    per_seq: int
+    """Pages a shard needs for one sequence's windows, a chunk and a run ahead (the pool holds 3 times this)."""
+
+    @classmethod
+    def draw(cls, rng: random.Random, replicas: int | None = None) -> "Geometry":
+        shards, block = rng.choice([1, 2, 3, 5] if replicas is None else [2, 3, 5]), rng.choice([2, 4, 8])
+        interleave = rng.choice([i for i in (1, 2, 4) if block % i == 0])   # pages hold whole interleave runs
+        windows = [rng.randint(1, 24) for _ in range(2)]
+        replicas = replicas or (rng.choice([1, 2]) if shards > 1 else 1)
+        per_seq = (math.ceil((max(windows) + 16 + AHEAD) / (shards * block)) + 2 + interleave) * replicas
+        return cls(shards, block, interleave, windows, replicas, per_seq)
+
+    def config(self, rng: random.Random) -> dict:
+        q_heads, kv_heads = rng.choice([(4, 2), (2, 1), (4, 4), (6, 2)])
+        return dict(num_shards=self.shards, dcp_interleave=self.interleave, block_size=self.block,
+                    num_q_heads=q_heads, num_kv_heads=kv_heads, sliding_window=self.windows,
+                    num_blocks_per_shard=3 * self.per_seq, decode_run_steps=AHEAD, kv_replicas=self.replicas,
+                    pcp_min_tokens=rng.choice([4, 6, 1000]))
+
+    def row_bound(self, length: int, rank: int) -> int:
+        return _owned_bound(length, max(self.windows), self.shards, rank, self.interleave, self.block) + \
+            math.ceil(AHEAD / self.block) + 1
+
+    def check_held(self, svc, where: str) -> None:
+        lengths = svc.sequences()
+        for rank, used in enumerate(_state(svc)[1]):   # a replica row copies another rank's: the largest counts
+            bound = sum(self.row_bound(n, rank) + (self.replicas - 1) * max(self.row_bound(n, r)
+                                                                            for r in range(self.shards))
+                        for n in lengths.values())
+            assert used <= bound, f"{where}: shard {rank} holds {used} pages > {bound} for {lengths}"
+
+
+def _workload(svc, oracle: Oracle, rng: random.Random, geo: Geometry, where: str, ops: int, events=None) -> None:
+    """``ops`` random operations; ``events[i]()`` runs before operation i (a kill)."""
     live = [svc.add_sequence()]
     written = refused = 0
-    for _ in range(60):
+    for i in range(ops):
+        if events and i in events:
+            events[i]()
         op = rng.random()
         if op < 0.1 and len(live) > 1:
             sid = live.pop(rng.randrange(len(live)))
@@ -73,7 +103,7 @@ def test_random_workloads_stay_exact_and_hold_only_their_windows(start_service, 
         decode = rng.random() < 0.6
         request = {s: 1 if decode else rng.randint(1, 16) for s in rng.sample(live, rng.randint(1, len(live)))}
         if rng.random() < 0.05:
-            request[rng.choice(list(request))] = 4 * shards * 3 * per_seq * block   # more than the whole cache
+            request[rng.choice(list(request))] = 12 * geo.shards * geo.per_seq * geo.block   # more than the cache
         before = _state(svc)
         try:
             assert run_step(svc, oracle, request) <= 1e-10, where
@@ -82,13 +112,31 @@ def test_random_workloads_stay_exact_and_hold_only_their_windows(start_service, 
             refused += 1
             continue
         written += sum(request.values())
-        lengths = svc.sequences()
-        def row_bound(n: int, rank: int) -> int:
-            return _owned_bound(n, max(windows), shards, rank, interleave, block) + math.ceil(ahead / block) + 1
-
-        for rank, used in enumerate(_state(svc)[1]):   # a replica row copies another rank's: the largest counts
-            bound = sum(row_bound(n, rank) + (replicas - 1) * max(row_bound(n, r) for r in range(shards))
-                        for n in lengths.values())
-            assert used <= bound, f"{where}: shard {rank} holds {used} pages > {bound} for {lengths}"
+        geo.check_held(svc, where)
     assert svc.sequences() == {s: oracle.length(s) for s in live}, where
-    print(f"{where}: {written} tokens written, {refused} refused, cache {3 * per_seq * shards * block} tokens")
+    print(f"{where}: {written} tokens written, {refused} refused, cache {3 * geo.per_seq * geo.shards * geo.block}")
+
+
+@pytest.mark.parametrize("run", range(2))
+def test_random_workloads_stay_exact_and_hold_only_their_windows(start_service, run):
+    seed = torch.randint(0, 10**9, ()).item()
+    rng = random.Random(seed)
+    geo = Geometry.draw(rng)
+    svc = start_service(**geo.config(rng))
+    _workload(svc, Oracle(svc.config, seed), rng, geo, f"seed {seed}: {geo}", ops=60)
+
+
+def test_random_workload_through_a_killed_shard_and_a_restarted_coordinator(start_service):
+    """Replicas and a detached coordinator: a shard killed (refilled from the pages each row still owns) and the
+    coordinator killed (restored from the journal's released entries) at random points; steps stay exact."""
+    seed = torch.randint(0, 10**9, ()).item()
+    rng = random.Random(seed)
+    geo = Geometry.draw(rng, replicas=2)
+    svc = start_service(**geo.config(rng), detached=True, rpc_timeout_s=10.0, collective_timeout_s=5.0,
+                        health_check_interval_s=0.5, start_timeout_s=120.0)
+    rank = rng.randrange(geo.shards)
+    kill_at, restart_at = rng.sample(range(10, 50), 2)
+    events = {kill_at: lambda: wait_rank_replaced(svc, rank, kill_shard(svc, rank)),
+              restart_at: lambda: kill_coordinator_and_wait_restored(svc)}
+    _workload(svc, Oracle(svc.config, seed), rng, geo, f"seed {seed}: {geo}, shard {rank} killed at {kill_at}, "
+              f"coordinator at {restart_at}", ops=50, events=events)
