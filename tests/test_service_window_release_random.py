@@ -1,9 +1,10 @@
 """Pages given back outside every window, under random workloads through the running service (local Ray, CPU,
-TORCH, float64): a fresh geometry per run (shards, interleave, page size, GQA, one window per layer, a small
-pool) and a random mix of chunks, decodes, frees, forks (at the length and earlier) and steps too big for the
-cache. Every output is the float64 oracle's (service_oracle.py, no cpattn code); a refused fork or step changes no
-length and no page count; each shard holds no more pages than the live sequences' windows need, counted from
-positions (tests/service_oracle.local_tokens), plus a decode run's pages ahead."""
+TORCH): a fresh geometry per run (shards, interleave, page size, GQA, one window per layer, replicas, a small pool)
+and a random mix of chunks, decodes, frees, forks (at the length and earlier) and steps too big for the cache, on
+float64 (exact) and fp8 caches, and once through a killed shard and a restarted coordinator. Every output is the
+float64 oracle's (service_oracle.py, no cpattn code); a refused fork or step changes no length and no page count;
+each shard holds no more pages than the live sequences' windows need, counted from positions
+(service_oracle.local_tokens), plus a decode run's pages ahead. The state-level checks: test_window_release.py."""
 
 from __future__ import annotations
 
@@ -129,14 +130,14 @@ def _workload(svc, oracle: Oracle, rng: random.Random, geo: Geometry, where: str
 RELATIVE = {"auto": None, "fp8_e4m3": 0.15, "fp8_e5m2": 0.3}
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
 def test_random_workloads_stay_exact_and_hold_only_their_windows(start_service, cache_dtype):
     seed = torch.randint(0, 10**9, ()).item()
     rng = random.Random(seed)
     geo = Geometry.draw(rng)
     svc = start_service(**geo.config(rng), kv_cache_dtype=cache_dtype,
                         dtype="float64" if cache_dtype == "auto" else "float32")
-    _workload(svc, Oracle(svc.config, seed), rng, geo, f"seed {seed}: {cache_dtype}, {geo}", ops=60,
+    _workload(svc, Oracle(svc.config, seed), rng, geo, f"seed {seed}: {cache_dtype}, {geo}", ops=50,
               relative=RELATIVE[cache_dtype])
 
 
@@ -149,8 +150,8 @@ def test_random_workload_through_a_killed_shard_and_a_restarted_coordinator(star
     svc = start_service(**geo.config(rng), detached=True, rpc_timeout_s=10.0, collective_timeout_s=5.0,
                         health_check_interval_s=0.5, start_timeout_s=120.0)
     rank = rng.randrange(geo.shards)
-    kill_at, restart_at = rng.sample(range(10, 50), 2)
+    kill_at, restart_at = rng.sample(range(8, 40), 2)
     events = {kill_at: lambda: wait_rank_replaced(svc, rank, kill_shard(svc, rank)),
               restart_at: lambda: kill_coordinator_and_wait_restored(svc)}
     _workload(svc, Oracle(svc.config, seed), rng, geo, f"seed {seed}: {geo}, shard {rank} killed at {kill_at}, "
-              f"coordinator at {restart_at}", ops=50, events=events)
+              f"coordinator at {restart_at}", ops=40, events=events)
