@@ -200,6 +200,17 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
             return self.num_blocks_per_shard
         return max(1, self.kv_cache_bytes_per_shard // self.bytes_per_block())
 
+    def in_process_refusal(self) -> str | None:
+        """Why no client may open a shard's cache in its own process (local_shards), or None when it may. The
+        coordinator (begin_step's local_ranks) and the shards (export_kv) enforce it, not only the client: a
+        client that opened a shard's cache holds every tenant's KV on that shard."""
+        if self.local_shards == "off":
+            return "the service runs with local_shards='off' (every shard over the wire)"
+        if self.detached:
+            return ("the service is detached: its coordinator may restart mid-step, and only the shards can fence "
+                    "a previous incarnation's writes")
+        return None
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

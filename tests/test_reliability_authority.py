@@ -70,12 +70,15 @@ def test_every_remote_method_refuses_a_stranger(service):
 
 
 def test_the_actors_expose_only_their_tables(service):
-    """Ray exposes every method of an actor's class, private ones included: the surfaces have only the table's."""
+    """Ray exposes every method of an actor's class, private ones included: the surfaces have only the table's,
+    and the methods Ray adds to every actor (which run anything on it: why anyone holding the Ray token is an
+    operator, README Security), which nothing in cpattn can take away."""
     coordinator = service.gateway.coordinator
     shard = current_shards(service)[0]
     for handle, table in ((coordinator, authority.COORDINATOR_METHODS), (shard, authority.SHARD_METHODS)):
         exposed = {m for m in handle._ray_method_signatures if not m.startswith("__")}
         assert exposed == set(table)
+        assert {m for m in handle._ray_method_signatures if m.startswith("__")} == {"__init__", *authority.RAY_ACTOR_METHODS}
     for private in ("_end_client", "_replace", "authorize", "expire_clients", "recover", "check_shards"):
         with pytest.raises(AttributeError):
             getattr(coordinator, private)

@@ -146,6 +146,22 @@ def test_handshakes_that_never_finish_are_bounded_per_client(shard):
     assert shard._impl._joining == {} and shard.group_names(SECRET) == []   # nothing joined meanwhile
 
 
+def test_groups_held_are_bounded_per_client(shard):
+    """Each genuine ticket admits one join, but joined groups stay until left: a client holds at most
+    MAX_GROUPS_PER_CLIENT on a shard; one more is refused (nothing changes), other clients join, and leaving one
+    makes room."""
+    cap = shard_groups.MAX_GROUPS_PER_CLIENT
+    clients = [_join(shard, f"c-1-e0-g{g}", _ticket(f"c-1-e0-g{g}")) for g in range(cap)]
+    before = _state(shard)
+    with pytest.raises(CapacityError, match=f"this client holds {cap} data-plane groups here"):
+        shard.join_group("c-1-e0-gx", HOST, 1, 1, 2, "gloo", _ticket("c-1-e0-gx"))
+    assert _state(shard) == before
+    clients.append(_join(shard, "c-2-e0-g1", _ticket("c-2-e0-g1")))   # another client is not held back
+    shard.leave_group("c-1-e0-g0", _ticket("c-1-e0-g0"))
+    clients.append(_join(shard, "c-1-e0-gx", _ticket("c-1-e0-gx")))
+    assert sum(n.startswith("c-1-") for n in shard.group_names(SECRET)) == cap
+
+
 def test_a_fenced_step_drops_its_group(shard):
     _join(shard, "c-1-e0-g1", _ticket("c-1-e0-g1"))
     _join(shard, "c-2-e0-g1", _ticket("c-2-e0-g1"))

@@ -11,8 +11,10 @@ in a table, each checking its caller's proof before delegating:
   ``Service.operator_credential``, ``cpattn serve`` prints it once), kept by the actors only as a SHA-256:
   stopping the service, admin stats, and reading what spans tenants (KV checksums, group names).
 
-The tables below are the whole remote API (README "Security" prints them); tests call every entry as a
-stranger and expect a refusal.
+The tables below are the whole remote API of cpattn's own (README "Security" prints them); tests call every
+entry as a stranger and expect a refusal. Ray adds RAY_ACTOR_METHODS to every actor, unguarded: one of them
+runs any function on the actor. So these checks hold against clients that use cpattn's API (and against buggy
+ones), not against a process holding the Ray token, which is an operator (README "Threat model").
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable
 
+import ray
+
 from cpattn.errors import AccessDeniedError
 
 
@@ -34,6 +38,14 @@ class Rule:
     """Who may call (one of the constants below)."""
     proof: str | None
     """The parameter carrying the proof (None: open)."""
+    group: str | None = None
+    """The actor's concurrency group the method runs in (None: the default one): calls that must never wait
+    behind slow ones (a lease's heartbeat, the operator's stop) get threads of their own."""
+
+
+CONTROL_GROUP = "control"
+"""The coordinator's threads for heartbeats and stop (each brief: a lock and a few dict operations)."""
+CONTROL_THREADS = 4
 
 
 OPEN = "anyone connected: how a client gets its credential"
@@ -48,7 +60,9 @@ TEST_HOOK = "the coordinator or the operator, and only when the service was star
 
 COORDINATOR_METHODS: dict[str, Rule] = {
     "register_client": Rule(OPEN, None),
-    "renew": Rule(CLIENT, "credential"),
+    # A lease's heartbeat never waits behind other calls (end_step may wait rpc_timeout_s on shards): a renewal
+    # queued behind them would let the lease lapse, and the client's sequences with it.
+    "renew": Rule(CLIENT, "credential", CONTROL_GROUP),
     "unregister_client": Rule(CLIENT, "credential"),
     "group_ticket": Rule(CLIENT, "credential"),
     "add_sequence": Rule(CLIENT, "credential"),
@@ -66,7 +80,7 @@ COORDINATOR_METHODS: dict[str, Rule] = {
     "describe": Rule(CLIENT_OR_OPERATOR, "credential"),
     "stats": Rule(CLIENT_OR_OPERATOR, "credential"),   # admin=True: the operator only
     "start": Rule(OPERATOR, "operator_credential"),
-    "shutdown": Rule(OPERATOR, "operator_credential"),
+    "shutdown": Rule(OPERATOR, "operator_credential", CONTROL_GROUP),
 }
 
 SHARD_METHODS: dict[str, Rule] = {
@@ -89,6 +103,10 @@ SHARD_METHODS: dict[str, Rule] = {
     "extend_run": Rule(PLAN, "plan"),
     "fill_synthetic": Rule(PLAN, "plan"),
 }
+
+
+RAY_ACTOR_METHODS = frozenset({"__ray_call__", "__ray_ready__", "__ray_terminate__"})
+"""What Ray itself adds to every actor class (``__ray_call__(fn)`` runs ``fn(actor)``): not ours to guard."""
 
 
 def new_operator_credential() -> str:
@@ -171,7 +189,7 @@ def _guarded(impl_cls: type, method: str, rule: Rule):
         impl.authorize(rule, proof, bound.arguments, method)
         return impl_fn(impl, *args, **kwargs)
 
-    return call
+    return call if rule.group is None else ray.method(concurrency_group=rule.group)(call)
 
 
 # Group tickets -------------------------------------------------------------------------------------

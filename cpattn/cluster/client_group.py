@@ -97,7 +97,7 @@ class GroupMembership:
     def _local_ranks(self, infos: list[ShardInfo]) -> list[int]:
         # A detached service's coordinator can restart mid-step; shards fence the old incarnation's writes,
         # but writes this process makes into a shard's cache bypass that fence, so they stay off there.
-        if self.config.local_shards == "off" or self.device.type != "cuda" or self.config.detached:
+        if self.config.in_process_refusal() is not None or self.device.type != "cuda":
             return []
         node = ray.get_runtime_context().get_node_id()
         mine = _gpu_uuid(self.device)

@@ -222,7 +222,7 @@ class Coordinator(SequenceMethods, RunExtensionMethods):
                     raise InvalidRequestError(f"data-plane group {group_name!r} is not this client's")
                 if epoch is not None and epoch != self.gen.epoch:
                     return Rejoin(self.gen.epoch)
-                local = check_local_ranks(local_ranks, self.config.num_shards)
+                local = check_local_ranks(local_ranks, self.config.num_shards, self.config.in_process_refusal())
                 admitted = self.ledger.admit(client_id, request, ahead, len(self.clients))
             except CpattnError as exc:
                 self.metrics.record_error(type(exc).__name__)
@@ -260,32 +260,35 @@ class Coordinator(SequenceMethods, RunExtensionMethods):
             if commit and kept < step.num_substeps and not ends_run:   # a run goes on: nothing to wait for
                 self.ledger.advance(step, kept)
                 return EndStepReply(advanced=kept)
-        reports, failure = self.recovery.step_failure(step, data_plane_error, lambda: self.gen.epoch)
-        if failure is not None:
-            kept = min(kept, step.num_substeps - 1)   # the step in flight (a plain step: the step) failed
-            self.recovery.settle(time.monotonic() + END_STEP_SETTLE_S)
-        with self._lock:
-            self.ledger.check_still_open(step)
-            self.clients.touch(step.client_id)
-            step.done = max(step.done, kept)
-            self.ledger.close(step, committed=commit and failure is None, drain=failure is not None)
-            self._publish_blocks_used()
-        if failure is None:
-            return step_outcome.shard_timings(reports)
-        # Rolled back: run it again now or later, unless a shard was replaced meanwhile and this step's KV is lost.
-        with self._lock:
-            self.ledger.raise_unless_replaced(step, failure, dict(self.shard_set.lost), self.shard_set.silent,
-                                              self.gen.epoch)
-        self.recovery.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
-        with self._lock:
-            self.ledger.check_survived(step)
-        return EndStepReply(recovered=True, epoch=self.gen.epoch, failure=failure)
+            self.ledger.start_ending(step)
+        try:   # one end_step of a step waits for its shards at a time (ledger.start_ending)
+            reports, failure = self.recovery.step_failure(step, data_plane_error, lambda: self.gen.epoch)
+            if failure is not None:
+                kept = min(kept, step.num_substeps - 1)   # the step in flight (a plain step: the step) failed
+                self.recovery.settle(time.monotonic() + END_STEP_SETTLE_S)
+            with self._lock:
+                self.ledger.check_still_open(step)
+                self.clients.touch(step.client_id)
+                step.done = max(step.done, kept)
+                self.ledger.close(step, committed=commit and failure is None, drain=failure is not None)
+                self._publish_blocks_used()
+            if failure is None:
+                return step_outcome.shard_timings(reports)
+            # Rolled back: run it again now or later, unless a shard was replaced meanwhile and this step's KV is lost.
+            with self._lock:
+                self.ledger.raise_unless_replaced(step, failure, dict(self.shard_set.lost), self.shard_set.silent,
+                                                  self.gen.epoch)
+            self.recovery.recover()   # a no-op when the health thread already replaced the shard (epoch moved on)
+            with self._lock:
+                self.ledger.check_survived(step)
+            return EndStepReply(recovered=True, epoch=self.gen.epoch, failure=failure)
+        finally:
+            step.ending = False
 
     # Stats ----------------------------------------------------------------------------------------
     def stats(self, credential: str | None = None, admin: bool = False) -> dict:
-        """Service-wide usage. ``clients`` lists only the caller's own client (by its credential); every other
-        client is counted in ``other_clients`` (aggregate). ``admin=True`` (operators: ``cpattn status``) lists
-        every client by its public id."""
+        """Service-wide usage: ``clients`` lists the caller's own client only, ``other_clients`` counts the rest;
+        ``admin=True`` (operators: ``cpattn status``) lists every client by its public id."""
         if admin and not authority.matches_digest(credential, self._operator_digest):
             raise authority.refuse(f"coordinator {self.config.name!r}", "stats(admin=True)",
                                    "it needs the operator credential (`cpattn status` finds it; see README Security)")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cpattn.errors import CapacityError, InvalidRequestError
+from cpattn.errors import AccessDeniedError, CapacityError, InvalidRequestError
 from cpattn.kvstore.sharded_allocator import Growth
 
 # Open steps one client may hold at once: a client is one thread with one step, so more is a tenant trying to
@@ -51,6 +51,9 @@ class OpenStep:
     """Step ids held from step_id on (a decode run: RUN_ID_SPAN; its extensions number their steps within)."""
     extending: bool = False
     """A decode run whose extension is being handed to its shards (one at a time: they take them in order)."""
+    ending: bool = False
+    """An end_step is waiting for its shards: another one for the same step is refused at once, so one step
+    holds at most one coordinator thread however often its client calls (coordinator.end_step)."""
 
     @property
     def num_substeps(self) -> int:
@@ -150,11 +153,14 @@ class OpenSteps:
             self.draining.append(list(step.refs))
 
 
-def check_local_ranks(local_ranks, num_shards: int) -> tuple[int, ...]:
-    """The shards a client computes in its own process, sorted, once each."""
+def check_local_ranks(local_ranks, num_shards: int, refusal: str | None = None) -> tuple[int, ...]:
+    """The shards a client computes in its own process, sorted, once each. ``refusal``: why no client may
+    (ServiceConfig.in_process_refusal), so a client that asks anyway is refused here, not only by its own code."""
     if not isinstance(local_ranks, (list, tuple)) or not all(type(r) is int and 0 <= r < num_shards
                                                              for r in local_ranks):
         raise InvalidRequestError(f"local_ranks {local_ranks!r} must be shard ranks in 0..{num_shards - 1}")
+    if local_ranks and refusal is not None:
+        raise AccessDeniedError(f"begin_step: local_ranks {list(local_ranks)} refused: {refusal}; pass local_ranks=[]")
     return tuple(sorted(set(local_ranks)))
 
 

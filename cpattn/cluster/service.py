@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import ray
 
-from cpattn.cluster.authority import digest
+from cpattn.cluster.authority import CONTROL_GROUP, CONTROL_THREADS, digest
 from cpattn.cluster.placement_wait import wait_for_start
 from cpattn.cluster.rpc import raise_remote_cause
 from cpattn.config import ServiceConfig
@@ -17,6 +17,13 @@ from cpattn.errors import AccessDeniedError, ServiceError
 logger = logging.getLogger("cpattn")
 
 COORDINATOR_MAX_CONCURRENCY = 64
+
+
+def coordinator_threads(config: ServiceConfig) -> int:
+    """The coordinator's default threads: every open step may hold one in end_step (waiting up to rpc_timeout_s
+    for shards its client may never serve; a second end_step of a step is refused at once), and 16 stay for
+    everything else. Heartbeats and stop have threads of their own (authority.CONTROL_GROUP)."""
+    return max(COORDINATOR_MAX_CONCURRENCY, config.max_open_steps + 16)
 
 
 def ensure_ray(address: str | None, namespace: str, num_cpus_hint: float = 0) -> bool:
@@ -75,7 +82,7 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
     # backend cannot serve fail here, with every reason, before anything is placed.
     check_backend(config)
     options = {"name": config.name, "namespace": config.namespace, "num_cpus": 0,
-               "max_concurrency": COORDINATOR_MAX_CONCURRENCY}
+               "max_concurrency": coordinator_threads(config)}
     if config.coordinator_resources:
         options["resources"] = dict(config.coordinator_resources)   # e.g. a resource only the head has
     if config.coordinator_label_selector:
@@ -84,8 +91,8 @@ def launch_coordinator(config: ServiceConfig, operator_credential: str):
         # Ray restarts a crashed detached coordinator; it restores its sequences from the journal.
         options["lifetime"] = "detached"
         options["max_restarts"] = -1
-    coordinator = ray.remote(RemoteCoordinator).options(**options).remote(config, registry_state(),
-                                                                          digest(operator_credential))
+    actor_class = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_THREADS})(RemoteCoordinator)
+    coordinator = actor_class.options(**options).remote(config, registry_state(), digest(operator_credential))
     try:
         # Says every few seconds what a pending placement lacks and who holds it; fails when nothing will free it.
         wait_for_start(coordinator, config, operator_credential)

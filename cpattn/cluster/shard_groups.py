@@ -28,6 +28,10 @@ logger = logging.getLogger("cpattn.shard")
 # finish their handshake can never take the threads open steps need.
 MAX_JOINS_PER_CLIENT = 2
 MAX_JOINS_IN_FLIGHT = 8
+# Groups one client holds on a shard, joined or joining: a client uses one at a time (a rebuild leaves the old one
+# without waiting, so a few may overlap); without a bound each genuine ticket could pin another communicator
+# (sockets, threads, NCCL memory) until the client ends.
+MAX_GROUPS_PER_CLIENT = 8
 
 
 def _node_ip() -> str:
@@ -106,6 +110,11 @@ class ShardGroups:
                                     f"and {sum(self._joining.values())} in all are still in their handshake (at most "
                                     f"{MAX_JOINS_PER_CLIENT} per client, {MAX_JOINS_IN_FLIGHT} in all): finish or "
                                     "abandon those first, then retry", shard=self.bundle_index)
+            held = sum(1 for n in self._groups if n.startswith(f"{client}-")) + self._joining.get(client, 0)
+            if held >= MAX_GROUPS_PER_CLIENT:
+                raise CapacityError(f"shard {self.bundle_index}: this client holds {held} data-plane groups here (at "
+                                    f"most {MAX_GROUPS_PER_CLIENT}): leave_group the ones it no longer uses, then "
+                                    "retry", shard=self.bundle_index)
             if t is not None:
                 self._admitted[ticket] = t.issued_at + self.config.client_lease_s
             self._joining[client] = self._joining.get(client, 0) + 1

@@ -13,7 +13,7 @@ from cpattn.attention import write_kv_cache
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError, StepFencedError
+from cpattn.errors import AccessDeniedError, CpattnError, StepFencedError
 from cpattn.kvstore import copy_pages
 from cpattn.kvstore.fp8 import PageScaleWrites, dequantize, page_scales_of, quantize
 
@@ -78,9 +78,13 @@ class ShardKVPages:
         two processes on one GPU, which costs a context switch each way); the caches stay owned here.
         Only non-detached services use it (gateway._local_ranks): writes made there bypass the fence. The
         caller proves it is a registered client (a group ticket); it then holds this whole shard's KV, which
-        is why clients that must be isolated from each other run with local_shards='off' (README Security).
+        is why services whose clients must be isolated from each other run with local_shards='off' (README
+        Security), which the shard itself enforces here.
         """
         self._live_ticket(group_name, ticket)
+        refusal = self.config.in_process_refusal()
+        if refusal is not None:
+            raise AccessDeniedError(f"export_kv refused: {refusal}")
         if self.device.type != "cuda":
             raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
         from torch.multiprocessing.reductions import reduce_tensor

@@ -152,6 +152,15 @@ class StepLedger:
             step.done = kept
             self.table.advance(step.seq_ids, step.lengths_after(kept), step.step_id + kept - 1)
 
+    def start_ending(self, step: OpenStep) -> None:
+        """The one end_step that waits for the step's shards. Without this a client could send the same end_step
+        many times at once, each waiting up to rpc_timeout_s on shards it never serves, and so hold every
+        coordinator thread other clients' calls and heartbeats need."""
+        if step.ending:
+            raise InvalidRequestError(f"step {step.step_id} is already being ended by another end_step call: wait "
+                                      "for that call's answer")
+        step.ending = True
+
     def check_still_open(self, step: OpenStep) -> None:
         if not self.steps.is_open(step):   # rolled back meanwhile: the client's lease lapsed
             raise InvalidRequestError(f"step {step.step_id} was rolled back: its client ended (closed, or its lease "
