@@ -6,11 +6,17 @@
 # the next call (or session) start from the first part not run.
 #   source /tmp/site/env.sh && BUDGET_S=560 OUT=$OUT bash scripts/gpu_sweep.sh kernels features steady
 # Parts: those of scripts/test_gpu.sh (default: all but flashinfer, in the order below). Extra pytest arguments
-# after `--` go to every part. Exit status: 1 when a part failed, else 0 (parts skipped for time are listed).
+# after `--` go to every part (a -k there narrows each part's own filter). Exit status: 1 when a part failed, else
+# 0 (parts skipped for time are listed).
+# $OUT gets three files whatever the number of parts (a device call brings back at most 8): sweep_summary.md (the
+# table), sweep.json (each part's counts and cases, failure messages included) and sweep_tails.log (each part's
+# last lines: pytest's short summary of what failed and why). Each part's whole log and JUnit XML stay in
+# $SWEEP_RAW (default /tmp/gpu_sweep_raw).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu_sweep}
-mkdir -p "$out"
+raw=${SWEEP_RAW:-/tmp/gpu_sweep_raw}
+mkdir -p "$out" "$raw"
 budget=${BUDGET_S:-560}
 py=${PYTHON:-python3}
 # Seconds each part took on nvidia-h200 (sessions 17-25; flashinfer with its JIT on a fresh machine).
@@ -34,14 +40,18 @@ for part in "${parts[@]}"; do
     continue
   fi
   start=$(date +%s)
-  timeout "$left" bash scripts/test_gpu.sh "$part" --junitxml="$out/sweep_$part.xml" "${extra[@]}" \
-    > "$out/sweep_$part.log" 2>&1
+  timeout "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" "${extra[@]}" \
+    > "$raw/sweep_$part.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
-  "$py" benchmarks/junit_json.py "$out/sweep_$part.xml" "$out/sweep_$part.json"
-  row=$("$py" - "$out/sweep_$part.json" <<'EOF'
-import json, sys
+  "$py" benchmarks/junit_json.py "$raw/sweep_$part.xml" "$raw/sweep_$part.json"
+  { echo "== $part (rc $rc, ${took} s)"; tail -n 30 "$raw/sweep_$part.log"; } >> "$out/sweep_tails.log"
+  row=$("$py" - "$raw/sweep_$part.json" "$out/sweep.json" "$part" <<'EOF'
+import json, os, sys
 s = json.load(open(sys.argv[1]))
+combined = json.load(open(sys.argv[2])) if os.path.exists(sys.argv[2]) else {}
+combined[sys.argv[3]] = s
+json.dump(combined, open(sys.argv[2], "w"), indent=1)
 if "error" in s:
     print("| | | | |")
 else:
@@ -51,10 +61,10 @@ EOF
 )
   note="rc $rc"
   [ "$rc" = 124 ] && note="cut at the budget"
-  [ "$rc" = 5 ] && note="nothing ran (no CUDA, or -k chose none): $(tail -1 "$out/sweep_$part.log")"
+  [ "$rc" = 5 ] && note="nothing ran (no CUDA, or -k chose none): $(tail -1 "$raw/sweep_$part.log")"
   { [ "$rc" != 0 ] && [ "$rc" != 5 ]; } && failed=1   # 5: pytest collected nothing (filtered out)
   table+="| $part | $row $took | $note |\n"
-  echo "gpu_sweep: $part rc=$rc in ${took} s"; tail -1 "$out/sweep_$part.log"
+  echo "gpu_sweep: $part rc=$rc in ${took} s"; tail -1 "$raw/sweep_$part.log"
 done
 printf "%b" "$table" | tee "$out/sweep_summary.md"
 exit $failed

@@ -24,25 +24,38 @@ cd "$(dirname "$0")/.."
 part=${1:-}
 shift || true
 py=${PYTHON:-python3}
+# pytest keeps only the last -k, so a caller's `-k EXPR` would replace a part's own filter (`flashinfer -k release`
+# once ran every backend's release cases): the two are combined, "(the part's) and (the caller's)".
+user_k="" rest=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-k" ] && [ $# -ge 2 ]; then user_k=$2; shift 2; else rest+=("$1"); shift; fi
+done
+k() {
+  if [ -n "$1" ] && [ -n "$user_k" ]; then echo "($1) and ($user_k)"; else echo "${1:-$user_k}"; fi
+}
 case "$part" in
   kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py \
-             tests/gpu/test_cuda_decode_fp8_gpu.py -k "not FLASHINFER" "$@" ;;
+             tests/gpu/test_cuda_decode_fp8_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   variants) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_variants_gpu.py \
-              tests/gpu/test_prefix_cascade_gpu.py -k "not FLASHINFER" "$@" ;;
+              tests/gpu/test_prefix_cascade_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \
-             tests/gpu/test_decode_graphs_gpu.py -k "not FLASHINFER" "$@" ;;
+             tests/gpu/test_decode_graphs_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   steady) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/test_decode_host_refill.py \
-            tests/test_steady_run.py tests/gpu/test_steady_run_gpu.py tests/gpu/test_begin_syncs_gpu.py "$@" ;;
+            tests/test_steady_run.py tests/gpu/test_steady_run_gpu.py tests/gpu/test_begin_syncs_gpu.py \
+            -k "$(k "")" ${rest[@]+"${rest[@]}"} ;;
   dataplane) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_data_plane_gpu.py \
                tests/gpu/test_client_graphs_gpu.py \
-               -k "not FLASHINFER" "$@" ;;
+               -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   features) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs -s tests/gpu/test_backend_features_gpu.py \
               tests/gpu/test_window_release_gpu.py \
-              -k "not FLASHINFER" "$@" ;;
-  usergraph) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_graph_gpu.py "$@" ;;
+              -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
+  usergraph) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_graph_gpu.py \
+               -k "$(k "")" ${rest[@]+"${rest[@]}"} ;;
   prefill) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_prefill_backend_gpu.py \
-             tests/gpu/test_wire_select_gpu.py tests/gpu/test_long_context_job_gpu.py "$@" ;;
-  flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k FLASHINFER "$@" ;;
+             tests/gpu/test_wire_select_gpu.py tests/gpu/test_long_context_job_gpu.py \
+             -k "$(k "")" ${rest[@]+"${rest[@]}"} ;;
+  flashinfer) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu -k "$(k FLASHINFER)" \
+                ${rest[@]+"${rest[@]}"} ;;
   *) echo "usage: bash scripts/test_gpu.sh" \
           "{kernels|variants|service|steady|dataplane|usergraph|prefill|flashinfer|features} [pytest args]" >&2
      exit 1 ;;

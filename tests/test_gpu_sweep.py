@@ -1,7 +1,9 @@
-"""scripts/gpu_sweep.sh on a machine without CUDA: it runs scripts/test_gpu.sh's parts in order, writes each part's
-JUnit XML and JSON and one summary table, does not start a part whose usual time no longer fits its budget (so a
-device call ends cleanly, saying what is left), and refuses an unknown part before running anything. The GPU
-cases themselves skip here; on the device the same script runs them."""
+"""scripts/gpu_sweep.sh on a machine without CUDA: it runs scripts/test_gpu.sh's parts in order, writes three files
+to $OUT whatever the number of parts (a device call brings back at most 8: the table, every part's counts and cases
+in one JSON, the logs' tails) and each part's JUnit XML and log to $SWEEP_RAW, does not start a part whose usual
+time no longer fits its budget (so a device call ends cleanly, saying what is left), and refuses an unknown part
+before running anything. test_gpu.sh narrows a part's own -k with the caller's. The GPU cases themselves skip here;
+on the device the same scripts run them."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _sweep(tmp_path: Path, budget_s: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OUT=str(tmp_path), BUDGET_S=str(budget_s), PYTHON=sys.executable,
+               SWEEP_RAW=str(tmp_path.parent / f"{tmp_path.name}_raw"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     return subprocess.run(["bash", "scripts/gpu_sweep.sh", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -31,12 +34,25 @@ def test_sweep_runs_what_fits_and_lists_what_did_not(tmp_path):
     assert set(rows) == {"usergraph", "kernels"}, summary
     assert "not started" in rows["kernels"] and "it usually takes 240 s" in proc.stdout
     assert "not started" not in rows["usergraph"] and "nothing ran" in rows["usergraph"]
-    assert (tmp_path / "sweep_usergraph.xml").exists() and not (tmp_path / "sweep_kernels.xml").exists()
-    counts = json.loads((tmp_path / "sweep_usergraph.json").read_text())
-    assert counts["failures"] == counts["errors"] == 0, counts
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json", "sweep_summary.md", "sweep_tails.log"]
+    raw = tmp_path.parent / f"{tmp_path.name}_raw"
+    assert (raw / "sweep_usergraph.xml").exists() and not (raw / "sweep_kernels.xml").exists()
+    parts = json.loads((tmp_path / "sweep.json").read_text())
+    assert set(parts) == {"usergraph"} and parts["usergraph"]["failures"] == parts["usergraph"]["errors"] == 0
+    assert "== usergraph (rc 5" in (tmp_path / "sweep_tails.log").read_text()
 
 
 def test_sweep_refuses_an_unknown_part_before_running_anything(tmp_path):
     proc = _sweep(tmp_path, 600, "kernels", "kernals")
     assert proc.returncode == 2 and "unknown part 'kernals'" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_callers_k_narrows_a_parts_own_filter():
+    """pytest keeps only the last -k: `flashinfer -k release` ran every backend's release cases before."""
+    env = dict(os.environ, PYTHON="echo")   # test_gpu.sh then prints the pytest command it would run
+    run = lambda *a: subprocess.run(["bash", "scripts/test_gpu.sh", *a], cwd=ROOT, env=env, capture_output=True,
+                                    text=True, timeout=60).stdout
+    assert "tests/gpu -k (FLASHINFER) and (release) -x" in run("flashinfer", "-k", "release", "-x")
+    assert "-k not FLASHINFER --maxfail 2" in run("kernels", "--maxfail", "2")
+    assert "test_decode_graph_gpu.py -k two_gpus" in run("usergraph", "-k", "two_gpus")
