@@ -26,7 +26,10 @@ def test_windowed_sequences_outgrow_the_cache_on_gpu(ray_session, backend, kv, i
     cfg = service_config(num_shards=4, num_layers=2, num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                          dtype="bfloat16", backend=backend, dcp_interleave=interleave, device="cuda",
                          num_gpus_per_shard=0.25, num_cpus_per_shard=0.5, num_blocks_per_shard=blocks,
-                         pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[100, 64], logits_soft_cap=[30.0, None])
+                         pcp_min_tokens=64, kv_cache_dtype=kv, sliding_window=[100, 64], logits_soft_cap=[30.0, None],
+                         # FlashInfer JIT-compiles each variant (fp8, window, cap) in the step that first needs it:
+                         # a prefill ~90 s on a fresh machine, past the suite's 30 s (as test_prefill_backend_gpu).
+                         collective_timeout_s=300.0, rpc_timeout_s=300.0)
     svc = cpattn.start(cfg)
     try:
         assert {s["backend"] for s in svc.info()["shards"]} == {backend}
