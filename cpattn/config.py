@@ -209,6 +209,8 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
         if self.detached:
             return ("the service is detached: its coordinator may restart mid-step, and only the shards can fence "
                     "a previous incarnation's writes")
+        if self.resolved_device().split(":")[0] != "cuda":
+            return f"the shards keep their KV on {self.resolved_device()}: only CUDA caches can be opened by a client"
         return None
 
     def resolved_device(self) -> str:

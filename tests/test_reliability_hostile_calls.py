@@ -85,9 +85,8 @@ def test_one_step_ended_many_times_at_once_holds_one_thread_and_no_lease_lapses(
 
 @pytest.mark.parametrize("setting", ["off", "auto"])
 def test_shards_in_a_clients_process_are_refused_by_the_service_itself(ray_session, setting):
-    """local_shards='off': a client asking begin_step for local ranks anyway is refused (nothing changes), and
-    a shard refuses its cache's handles under a genuine ticket; with 'auto' the same ticket gets past the
-    service's check (a CPU cache then cannot be shared, which the shard says)."""
+    """local_shards='off' (or shards on the CPU): a client asking begin_step for local ranks anyway is refused
+    (nothing changes), and a shard refuses its cache's handles under a genuine ticket."""
     cfg = service_config(num_shards=2, local_shards=setting)
     svc = cpattn.start(cfg)
     tenant = cpattn.connect(name=cfg.name, namespace=cfg.namespace)
@@ -99,12 +98,10 @@ def test_shards_in_a_clients_process_are_refused_by_the_service_itself(ray_sessi
         name = f"{tenant.client_id}-export"
         ticket = ray.get(coordinator.group_ticket.remote(tenant.credential, name), timeout=RPC_S)
         answer = _cause(current_shards(svc)[0].export_kv.remote(name, ticket), RPC_S)
-        if setting == "auto":
-            assert "only CUDA caches can be shared" in str(answer)
-            return
-        assert isinstance(answer, AccessDeniedError) and "local_shards='off'" in str(answer)
+        why = "local_shards='off'" if setting == "off" else "only CUDA caches can be opened by a client"
+        assert isinstance(answer, AccessDeniedError) and why in str(answer), answer
         before = snapshot(svc, [tenant])
-        with pytest.raises(AccessDeniedError, match="local_ranks"):
+        with pytest.raises(AccessDeniedError, match=f"local_ranks .*{why}"):
             ray.get(coordinator.begin_step.remote(tenant.credential, tenant.gateway.group_name, {seq: 1},
                                                   tenant.gateway.epoch, [0]), timeout=RPC_S)
         assert snapshot(svc, [tenant]) == before
@@ -115,6 +112,7 @@ def test_shards_in_a_clients_process_are_refused_by_the_service_itself(ray_sessi
 
 
 def test_which_services_keep_shards_out_of_clients_processes():
-    assert service_config(local_shards="auto").in_process_refusal() is None
+    assert service_config(local_shards="auto", device="cuda").in_process_refusal() is None
+    assert "only CUDA caches" in service_config(local_shards="auto").in_process_refusal()   # shards on the CPU
     assert "local_shards='off'" in service_config(local_shards="off").in_process_refusal()
     assert "detached" in service_config(detached=True).in_process_refusal()

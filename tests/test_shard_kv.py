@@ -14,7 +14,7 @@ from conftest import service_config
 from cpattn.cluster import authority, coordinator_sequences, shard_kv
 from cpattn.cluster.shard import RemoteShard, ShardWorker
 from cpattn.cluster.shard_kv import synthetic_kv
-from cpattn.errors import AccessDeniedError, CpattnError, StepFencedError
+from cpattn.errors import AccessDeniedError, StepFencedError
 from local_actors import FakeRay, plain_coordinator
 
 SECRET = "s" * 64
@@ -148,7 +148,8 @@ def test_export_kv_needs_a_live_ticket_and_a_cuda_cache():
     stale = authority.make_ticket(SECRET, group, "c-1", time.time() - 3600)
     with pytest.raises(AccessDeniedError, match="its ticket expired"):
         shard.export_kv(group, stale)
-    with pytest.raises(CpattnError, match="shard 0 keeps its KV on cpu: only CUDA caches can be shared"):
+    with pytest.raises(AccessDeniedError, match="shard 0: export_kv refused: the shards keep their KV on cpu: only "
+                                                "CUDA caches can be opened by a client"):
         shard.export_kv(group, ticket)
 
 

@@ -13,7 +13,7 @@ from cpattn.attention import write_kv_cache
 from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.config import ServiceConfig
-from cpattn.errors import AccessDeniedError, CpattnError, StepFencedError
+from cpattn.errors import AccessDeniedError, StepFencedError
 from cpattn.kvstore import copy_pages
 from cpattn.kvstore.fp8 import PageScaleWrites, dequantize, page_scales_of, quantize
 
@@ -82,11 +82,9 @@ class ShardKVPages:
         Security), which the shard itself enforces here.
         """
         self._live_ticket(group_name, ticket)
-        refusal = self.config.in_process_refusal()
+        refusal = self.config.in_process_refusal()   # local_shards='off', detached, or a cache not on CUDA
         if refusal is not None:
-            raise AccessDeniedError(f"export_kv refused: {refusal}")
-        if self.device.type != "cuda":
-            raise CpattnError(f"shard {self.bundle_index} keeps its KV on {self.device}: only CUDA caches can be shared")
+            raise AccessDeniedError(f"shard {self.bundle_index}: export_kv refused: {refusal}")
         from torch.multiprocessing.reductions import reduce_tensor
 
         # fp8: the page scales too (after the caches), which the client grows as it writes its pages.
