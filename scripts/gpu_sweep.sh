@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu_sweep}
 raw=${SWEEP_RAW:-/tmp/gpu_sweep_raw}
 mkdir -p "$out" "$raw"
+rm -f "$out/sweep.json" "$out/sweep_tails.log"   # this sweep's parts only (a warm machine keeps $SWEEP_RAW too)
 budget=${BUDGET_S:-560}
 py=${PYTHON:-python3}
 # Seconds each part took on nvidia-h200 (sessions 17-25; flashinfer with its JIT on a fresh machine).
@@ -40,6 +41,7 @@ for part in "${parts[@]}"; do
     continue
   fi
   start=$(date +%s)
+  rm -f "$raw/sweep_$part.xml" "$raw/sweep_$part.json"   # a part cut before its report must not read an old one
   timeout "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" "${extra[@]}" \
     > "$raw/sweep_$part.log" 2>&1
   rc=$?
