@@ -10,7 +10,9 @@ import torch
 
 from cpattn.errors import CapacityError, InvalidRequestError
 from reliability_common import kill_coordinator_and_wait_restored, kill_shard, wait_rank_replaced
-from service_oracle import Oracle, run_step
+from service_oracle import Oracle, relative_step, run_step
+
+FP8_RELATIVE = 0.15   # e4m3, as test_service_window_release_random.RELATIVE (~2.4x the format's 2^-4)
 
 
 def _used(svc) -> int:
@@ -21,16 +23,23 @@ def _used(svc) -> int:
 def test_a_windowed_sequence_outgrows_the_cache_beside_others(start_service, interleave, cache_dtype):
     """3 shards, pages of 4, 10 pages a shard (120 tokens in all); windows 7 and 5; chunks split by PCP, decode
     runs, a sequence freed and a new one taking the released pages, a fork at the length. float64 (exact), and
-    fp8 pages (float32 activations, within the format's error: a reused page's scales start afresh)."""
+    fp8 pages (float32 activations; a reused page's scales start afresh): each layer within the relative error
+    (norm) the random workloads allow. A max absolute error bound (0.15 before) failed on an unlucky seed: with a
+    window of 5 keys one V element of 3.6 sigma, rounded by e4m3's 2^-4, is already off by 0.22."""
     fp8 = cache_dtype != "auto"
     svc = start_service(num_shards=3, sliding_window=[7, 5], num_blocks_per_shard=10, pcp_min_tokens=6,
                         dcp_interleave=interleave, kv_cache_dtype=cache_dtype, dtype="float32" if fp8 else "float64")
     cache = 3 * 10 * 4
-    oracle = Oracle(svc.config, torch.randint(0, 10**6, ()).item())
+    seed = torch.randint(0, 10**6, ()).item()
+    oracle = Oracle(svc.config, seed)
     worst = []
 
     def step(request):
-        worst.append(run_step(svc, oracle, request, check=not fp8))
+        if fp8:
+            relative_step(svc, oracle, request, FP8_RELATIVE, f"seed {seed}", device="cpu")
+            svc.gateway.flush()   # its commit, read before the next call counts pages (as checked_step does)
+        else:
+            worst.append(run_step(svc, oracle, request))
 
     a, b = svc.add_sequence(), svc.add_sequence()
     step({a: 20, b: 9})
@@ -62,7 +71,7 @@ def test_a_windowed_sequence_outgrows_the_cache_beside_others(start_service, int
         with svc.step({f: cache}):
             pass
     step({f: 1})                             # the refused step changed nothing
-    assert max(worst) < (0.15 if fp8 else 1e-10), worst
+    assert fp8 or max(worst) < 1e-10, worst
 
 
 def test_released_pages_with_replicas_survive_a_killed_shard(start_service):
