@@ -193,6 +193,9 @@ class ClientLimits(FieldGroup):
 
     max_tokens_per_client: int | None = Field(None, ge=1)
     """Optional quota: tokens of KV a single client may hold across its sequences."""
+    max_sequences_per_client: int | None = Field(None, ge=1)
+    """Optional quota: sequences (block-table rows, max_sequences in all) a single client may hold, forks
+    included; an empty sequence holds no tokens but does hold a row. One more is refused with CapacityError."""
     client_lease_s: float = _seconds(30.0)
     """A client that makes no call and sends no heartbeat (every client_lease_s / 3) for this long has ended:
     its open step is rolled back, its data-plane groups dropped, its sequences freed (kept with

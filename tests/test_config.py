@@ -24,7 +24,7 @@ def test_fields_come_from_the_groups_in_order_each_with_its_help_text():
     from cpattn.config_groups import GROUPS
 
     in_groups = [name for group in GROUPS for name in group.model_fields]
-    assert list(ServiceConfig.model_fields) == in_groups and len(set(in_groups)) == len(in_groups) == 55
+    assert list(ServiceConfig.model_fields) == in_groups and len(set(in_groups)) == len(in_groups) == 56
     assert in_groups[:3] == ["num_shards", "num_layers", "num_q_heads"] and in_groups[-1] == "kv_scales"
     for name, info in ServiceConfig.model_fields.items():
         assert info.description and info.description == next(g.model_fields[name].description for g in GROUPS

@@ -108,3 +108,30 @@ def test_a_copy_on_write_resends_the_row_and_rewrites_the_journal():
     assert fork.persisted_pages == -1 and source.persisted_pages == 7
     table.undo(growth, [fork.seq_id])
     assert table.allocator.pools[1].num_shared_blocks == 1          # the rollback left the page shared
+
+
+def test_a_client_holds_at_most_max_sequences_per_client_rows_forks_included():
+    """Empty sequences hold no tokens, so max_tokens_per_client cannot stop one client from taking every row of
+    max_sequences: max_sequences_per_client does, counting adds, forks and forks of another client's share."""
+    table, sharing, _ = _state(max_sequences=6, max_sequences_per_client=2)
+    _grown(table, "alice", "seq-a", 10)
+    token = sharing.share("alice", "seq-a")
+    sharing.fork("alice", "seq-a")
+    used = [p.num_used_blocks for p in table.allocator.pools]
+
+    def refused(call):
+        before = {k: (s.owner, s.length) for k, s in table.sequences.items()}
+        with pytest.raises(CapacityError, match="client quota: holding 2 sequences, max_sequences_per_client "
+                                                "is 2: free sequences or raise the quota") as err:
+            call()
+        assert (err.value.needed, err.value.free) == (3, 0)
+        assert {k: (s.owner, s.length) for k, s in table.sequences.items()} == before
+        assert [p.num_used_blocks for p in table.allocator.pools] == used
+
+    refused(lambda: table.add("alice", "seq-c"))
+    refused(lambda: sharing.fork("alice", "seq-a"))
+    bob = [table.add("bob", "seq-b").seq_id, sharing.fork_shared("bob", token)]   # bob's own two
+    refused(lambda: table.add("bob", "seq-d"))
+    refused(lambda: sharing.fork_shared("bob", token))
+    table.free(bob[0], "bob")                    # freeing gives the row back to its owner's quota
+    assert table.get(sharing.fork_shared("bob", token)).owner == "bob"

@@ -169,7 +169,8 @@ QUOTA = 40
 
 @pytest.fixture(scope="module")
 def quota_service(ray_session):
-    svc = cpattn.start(service_config(num_shards=2, max_tokens_per_client=QUOTA, rpc_timeout_s=60.0))
+    svc = cpattn.start(service_config(num_shards=2, max_tokens_per_client=QUOTA, max_sequences_per_client=3,
+                                       rpc_timeout_s=60.0))
     other = cpattn.connect(name=svc.config.name, namespace=svc.config.namespace)
     try:
         yield svc, other
@@ -203,6 +204,18 @@ def test_per_client_quota_is_enforced_per_client_and_changes_nothing(quota_servi
     svc.free(b)
     oracle.drop(b)
     checked_step(svc, oracle, {a: 12}, tol=TOL)         # freeing gives quota back
+    # Rows are a quota of their own: an empty sequence holds no tokens but does hold one of max_sequences' rows.
+    extra = [svc.add_sequence(), svc.add_sequence()]
+    before = snapshot(svc, [other])
+    with pytest.raises(CapacityError, match="client quota: holding 3 sequences, max_sequences_per_client is 3"):
+        svc.add_sequence()
+    with pytest.raises(CapacityError, match="client quota"):   # (a holds the whole token quota too)
+        svc.fork(a, 8)
+    assert snapshot(svc, [other]) == before
+    mine = other.add_sequence()                          # another client's rows are its own
+    for seq in extra:
+        svc.free(seq)
+    other.free(mine)
     other.free(theirs)
     svc.free(a)
 

@@ -89,10 +89,19 @@ class SequenceTable:
         return entry[2] if len(entry) > 2 else None   # journals before issue 12 did not record owners
 
     # Adding and freeing -------------------------------------------------------------------------------------
-    def add(self, owner: str, seq_id: str) -> Sequence:
+    def check_room(self, owner: str) -> None:
+        """A row for one more sequence of ``owner``: the service's (max_sequences) and the client's quota."""
         if not self.allocator.can_add_row():
             raise InvalidRequestError(f"the service holds max_sequences={self.config.max_sequences} sequences: "
                                       "free some or raise max_sequences")
+        quota = self.config.max_sequences_per_client
+        held = len(self.owned_by(owner)) if quota is not None else 0
+        if quota is not None and held >= quota:
+            raise CapacityError(f"client quota: holding {held} sequences, max_sequences_per_client is {quota}: "
+                                "free sequences or raise the quota", needed=held + 1, free=0)
+
+    def add(self, owner: str, seq_id: str) -> Sequence:
+        self.check_room(owner)
         seq = Sequence(seq_id, owner, self.allocator.add_rows())
         self.sequences[seq_id] = seq
         self.persist([seq])
@@ -184,9 +193,7 @@ class SequenceTable:
 
     def fork(self, source: Sequence, owner: str, seq_id: str, num_tokens: int) -> Sequence:
         """A new sequence of ``owner`` whose first ``num_tokens`` tokens are ``source``'s, sharing its pages."""
-        if not self.allocator.can_add_row():
-            raise InvalidRequestError(f"the service holds max_sequences={self.config.max_sequences} sequences: "
-                                      "free some or raise max_sequences")
+        self.check_room(owner)
         self.limits.check_fork(source, num_tokens)
         seq = Sequence(seq_id, owner, self.allocator.fork_rows(source.rows, num_tokens), num_tokens)
         self.sequences[seq_id] = seq
