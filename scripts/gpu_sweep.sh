@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU regression sweep within one device `run`: scripts/test_gpu.sh's parts one after another, each cut at
-# what is left of BUDGET_S, a part not started when its usual time no longer fits (it says so), each part's JUnit
-# XML and JSON summary under $OUT, and one table at the end. Device time comes in 10-minute calls and failed
-# starts eat it, so a sweep that stops cleanly where the budget ends, with what ran written down, is what lets
-# the next call (or session) start from the first part not run.
+# what is left of BUDGET_S (and killed 10 s later: keep BUDGET_S 30 s under the call's limit), a part not started
+# when its usual time no longer fits (it says so), each part's JUnit XML and JSON summary under $OUT, and one
+# table at the end. Device time comes in 10-minute calls and failed starts eat it, so a sweep that stops cleanly
+# where the budget ends, with what ran written down, is what lets the next call (or session) start from the
+# first part not run.
 #   source /tmp/site/env.sh && BUDGET_S=560 OUT=$OUT bash scripts/gpu_sweep.sh kernels features steady
 # Parts: those of scripts/test_gpu.sh (default: all but flashinfer, in the order below). Extra pytest arguments
 # after `--` go to every part (a -k there narrows each part's own filter). Exit status: 1 when a part failed, else
@@ -42,7 +43,9 @@ for part in "${parts[@]}"; do
   fi
   start=$(date +%s)
   rm -f "$raw/sweep_$part.xml" "$raw/sweep_$part.json"   # a part cut before its report must not read an old one
-  timeout "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" "${extra[@]}" \
+  # -k: Ray's driver turns SIGTERM into SystemExit, which a main thread blocked in a CUDA or Ray call never
+  # raises (session 29: a prefill part ran on past its cut to the device call's limit, taking the sweep's report).
+  timeout -k 10 "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" "${extra[@]}" \
     > "$raw/sweep_$part.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
