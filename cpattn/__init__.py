@@ -16,6 +16,12 @@ def start(config: ServiceConfig | None = None, **fields):
     from cpattn.client import start as _start
     from cpattn.cluster.service import check_backend
 
+    if config is not None and (fields or not isinstance(config, ServiceConfig)):
+        from cpattn.errors import ConfigError
+
+        raise ConfigError(f"cpattn.start takes a cpattn.ServiceConfig or its fields as keywords, got "
+                          f"{type(config).__name__}{' and fields ' + ', '.join(fields) if fields else ''}: pass "
+                          "start(ServiceConfig(...)), start(num_shards=2, ...) or start(cpattn.load_config(path))")
     config = config if config is not None else ServiceConfig(**fields)
     check_backend(config)   # a backend that cannot serve the settings fails here, before Ray or any actor starts
     return _start(config)

@@ -8,6 +8,7 @@ coordinator once; nothing per layer goes through Ray.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import ray
@@ -18,6 +19,7 @@ from cpattn.cluster.ids import canonical_id, canonical_request
 from cpattn.cluster.rpc import call as _call
 from cpattn.cluster.service import ensure_ray, find_coordinator, launch_coordinator, ray_for, stop_coordinator
 from cpattn.config import ServiceConfig
+from cpattn.config_groups import MAX_SECONDS
 from cpattn.errors import AccessDeniedError, CpattnError, InvalidRequestError, ShardLostError
 from cpattn.step import Step
 
@@ -48,12 +50,24 @@ def connect(name: str = "cpattn", namespace: str = "cpattn", address: str | None
     ``Service.credential`` of a client that ended with sequences kept resumes that client (and its sequences).
     ``operator_credential``: the service's (printed by `cpattn serve`), for ``shutdown()`` and ``stats(admin=True)``.
     """
+    _check_connect_args(name, namespace, timeout_s)
     started_ray = ensure_ray(address or "auto", namespace) if not ray.is_initialized() else False
     coordinator = find_coordinator(name, namespace)
     registered = _call(coordinator.register_client.remote(on_lapse, credential), timeout_s, "register_client")
     config = ServiceConfig(**registered["config"])
     return Service(coordinator, config, owns_service=False, owns_ray=started_ray, on_lapse=on_lapse,
                    credential=credential, operator_credential=operator_credential, registered=registered)
+
+
+def _check_connect_args(name, namespace, timeout_s) -> None:
+    for what, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"connect(): {what} {value!r} must be the service's {what}, a non-empty str "
+                                      "(`cpattn list` shows every service on the cluster)")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
+            or not 0 < timeout_s <= MAX_SECONDS):
+        raise InvalidRequestError(f"connect(): timeout_s {timeout_s!r} must be a number of seconds in "
+                                  f"(0, {MAX_SECONDS:g}]")
 
 
 class Service:
@@ -156,9 +170,9 @@ class Service:
         lists every client by its public id (an operator's view: needs ``operator_credential``)."""
         if not admin:
             return self.gateway.call("stats", admin)
+        self._check_operator("stats(admin=True) lists every client")
         self.gateway.flush(end_run=True)
-        return _call(self.gateway.coordinator.stats.remote(self.operator_credential, True), self.config.rpc_timeout_s,
-                     "stats")
+        return self._admin_stats("stats(admin=True)")
 
     def info(self) -> dict[str, Any]:
         self.gateway.flush()
@@ -169,6 +183,7 @@ class Service:
         """Leave the service running; drop this client's data-plane group (after its last commit)."""
         if self._closed:
             return
+        self._check_no_step("close()")
         self._closed = True
         self.gateway.close()
         if self._owns_ray and not self._owns_service:
@@ -177,10 +192,15 @@ class Service:
     def shutdown(self) -> None:
         """Stop the whole service (shards, placement group, coordinator); leaves nothing running. The operator
         only: a client without ``operator_credential`` is refused (AccessDeniedError) and stays connected."""
-        if self.operator_credential is None:
-            raise AccessDeniedError("shutdown() stops the whole service: only the operator may (this client was not "
-                                    "started by cpattn.start; pass operator_credential= to connect(), or use "
-                                    "`cpattn stop`), close() ends just this client")
+        self._check_operator("shutdown() stops the whole service", "close() ends just this client")
+        self._check_no_step("shutdown()")
+        if not self._closed:   # a refused credential must leave this client as it was: asked before anything ends
+            try:
+                self._admin_stats("shutdown()")
+            except AccessDeniedError:
+                raise
+            except CpattnError:   # a dead or hung coordinator: stopped below all the same
+                pass
         was_closed = self._closed
         self._closed = True
         if not was_closed:
@@ -202,6 +222,26 @@ class Service:
             self.shutdown()
         else:
             self.close()
+
+    def _check_operator(self, what: str, instead: str = "") -> None:
+        if self.operator_credential is None:
+            raise AccessDeniedError(f"{what}: only the operator may (this client was not started by cpattn.start; "
+                                    "pass operator_credential= to connect(), or use `cpattn stop` / `cpattn status`)"
+                                    + (f", {instead}" if instead else ""))
+
+    def _admin_stats(self, what: str) -> dict[str, Any]:
+        try:
+            return _call(self.gateway.coordinator.stats.remote(self.operator_credential, True),
+                         self.config.rpc_timeout_s, "stats")
+        except AccessDeniedError:
+            raise AccessDeniedError(f"{what} refused: operator_credential is not this service's operator "
+                                    "credential (printed by `cpattn serve`; Service.operator_credential of "
+                                    "cpattn.start)") from None
+
+    def _check_no_step(self, what: str) -> None:
+        if not self._closed:
+            self.gateway.check_no_open_step(f"{what} inside an open step: leave the `with svc.step(...)` block first "
+                                            f"(it commits or rolls the step back), then call {what}")
 
     def _check_open(self) -> None:
         if self._closed:

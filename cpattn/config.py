@@ -61,6 +61,19 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
                 raise ValueError(f"{value!r} is not a JSON mapping: write e.g. '{{\"cpattn_shard\": 1}}'") from None
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        """pydantic takes True for 1 in an int or float field (num_shards: true started one shard): refused,
+        inside lists and mappings too; strings still convert (CLI flags and YAML give "4")."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                info = cls.model_fields.get(name)
+                if info is not None and _takes_numbers(info.annotation) and _holds_bool(value):
+                    raise ValueError(f"{name}={value!r}: {name} takes numbers, not true/false (a bool is not "
+                                     "read as 1 or 0 here): give the number itself")
+        return data
+
     @model_validator(mode="after")
     def _check_geometry(self) -> "ServiceConfig":
         if self.num_q_heads % self.num_kv_heads:
@@ -219,12 +232,32 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
         return "cuda" if self.num_gpus_per_shard > 0 else "cpu"
 
 
+def _takes_numbers(annotation: Any) -> bool:
+    """int or float anywhere in a field's type (int | None, list[int | None], dict[str, float], ...)."""
+    import typing
+
+    return annotation in (int, float) or any(map(_takes_numbers, typing.get_args(annotation)))
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_bool, value))
+    return isinstance(value, dict) and any(map(_holds_bool, value.values()))
+
+
 def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
     """Load a ServiceConfig from YAML; keyword overrides (e.g. CLI flags) win over file values."""
     import yaml
 
+    if not isinstance(path, (str, Path)):
+        raise ConfigError(f"config path {path!r} must be a str or pathlib.Path naming a YAML file")
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+                          "give a YAML file") from None
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {str(path)!r} does not exist: check the path (e.g. "
                           "examples/service_local.yaml, relative to the current directory)") from exc
@@ -236,6 +269,10 @@ def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
         raise ConfigError(_describe_yaml_error(path, exc)) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of ServiceConfig fields, got {type(data).__name__}")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{path}: key {odd[0]!r} is not a ServiceConfig field name: keys are names such as "
+                          "num_shards")
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return ServiceConfig(**data)

@@ -43,7 +43,9 @@ def _plainly_valid(dtype: torch.dtype, q, k, v, q_shape: tuple, kv_shape: tuple)
     dense tensors of the service's dtype and shapes, on one CPU or CUDA device. Anything else goes to _refuse."""
     try:
         device = q.device
-        return (q.dtype == dtype and k.dtype == dtype and v.dtype == dtype and q.shape == q_shape
+        # (first: a nested tensor raises on .shape; one needing grad fails in the data plane's out= copies)
+        return (not (q.is_nested or k.is_nested or v.is_nested or q.requires_grad or k.requires_grad or v.requires_grad)
+                and q.dtype == dtype and k.dtype == dtype and v.dtype == dtype and q.shape == q_shape
                 and k.shape == kv_shape and v.shape == kv_shape and k.device == device and v.device == device
                 and device.type in ("cpu", "cuda") and q.layout == k.layout == v.layout == torch.strided)
     except AttributeError:   # not a tensor: _refuse names it
@@ -55,8 +57,13 @@ def _refuse(cfg: ServiceConfig, q, named: tuple, t: int, d: int) -> None:
     for name, x, heads in named:
         if not isinstance(x, torch.Tensor):
             raise InvalidRequestError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.layout != torch.strided:   # sparse tensors failed later with NotImplementedError
-            raise InvalidRequestError(f"{name} is a {x.layout} tensor: pass a dense one ({name}.to_dense())")
+        if x.layout != torch.strided or x.is_nested:   # sparse tensors failed later with NotImplementedError
+            raise InvalidRequestError(f"{name} is a {'nested' if x.is_nested else x.layout} tensor: pass a dense "
+                                      "one ([T, heads, head_size])")
+        if x.requires_grad:
+            raise InvalidRequestError(f"{name} requires grad, and attention through cpattn is not differentiable: "
+                                      "run the model under torch.no_grad() or torch.inference_mode(), or pass "
+                                      f"{name}.detach()")
         if tuple(x.shape) != (t, heads, d):
             raise InvalidRequestError(f"{name} has shape {tuple(x.shape)}, expected {(t, heads, d)} "
                                       f"(T = {t} new tokens in this step, heads, head_size)")
@@ -75,8 +82,10 @@ def checked_sinks(cfg: ServiceConfig, sinks, device: torch.device) -> torch.Tens
     if sinks is None:
         return None
     hq = cfg.num_q_heads
-    if isinstance(sinks, torch.Tensor) and sinks.layout != torch.strided:   # torch.isfinite would raise untyped
-        raise InvalidRequestError(f"sinks is a {sinks.layout} tensor: pass a dense one (sinks.to_dense())")
+    # Sparse and nested tensors would raise untyped errors below (torch.isfinite, .shape).
+    if isinstance(sinks, torch.Tensor) and (sinks.layout != torch.strided or sinks.is_nested):
+        raise InvalidRequestError(f"sinks is a {'nested' if sinks.is_nested else sinks.layout} tensor: pass a "
+                                  "dense one ([num_q_heads])")
     if isinstance(sinks, torch.Tensor) and sinks.device.type not in ("cpu", "cuda"):
         raise InvalidRequestError(f"sinks is on {sinks.device}: sinks must be a CPU or CUDA tensor")
     if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):

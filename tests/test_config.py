@@ -1,5 +1,6 @@
 """ServiceConfig validation (field, value and fix in every message), YAML loading, and the error hierarchy."""
 
+import json
 import pickle
 
 import pytest
@@ -117,6 +118,31 @@ def test_load_config_errors_name_the_file(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_config(empty) == ServiceConfig()
+    # Raw TypeError / UnicodeDecodeError before: each a ConfigError naming what to give instead.
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    keyed = tmp_path / "keyed.yaml"
+    keyed.write_text("num_shards: 2\n1: 2\n")
+    for path, match in ((None, "config path None must be a str or pathlib.Path"), (5, "config path 5 must be"),
+                        (latin, r"latin\.yaml' is not UTF-8 text \(invalid continuation byte at byte 9\)"),
+                        (keyed, r"keyed\.yaml: key 1 is not a ServiceConfig field name")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(path)
+
+
+@pytest.mark.parametrize("fields", [dict(num_shards=True), dict(rpc_timeout_s=False), dict(sliding_window=[True, 8]),
+                                    dict(shard_resources={"cpattn_shard": True}), dict(max_tokens_per_client=True)])
+def test_a_bool_is_not_a_number(fields, tmp_path):
+    """pydantic reads True as 1: `num_shards: true` started one shard. Refused in Python and in YAML alike; the
+    bool fields and numbers written as strings (CLI flags) are unchanged."""
+    (name, value), = fields.items()
+    with pytest.raises(ConfigError, match=rf"{name}=.*: {name} takes numbers, not true/false"):
+        ServiceConfig(**fields)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{name}: {json.dumps(value)}\n")
+    with pytest.raises(ConfigError, match=rf"c\.yaml: {name}=.*takes numbers, not true/false"):
+        load_config(path)
+    assert ServiceConfig(num_shards="2", detached=True).num_shards == 2
 
 
 @pytest.mark.parametrize("err", [

@@ -183,3 +183,20 @@ def test_authority_rules(method):
         check("stranger")
     if rule.who in (authority.OPERATOR, authority.CLIENT_OR_OPERATOR):
         check(operator)
+
+
+@pytest.mark.parametrize("odd", ["é" * 64, "\ud800", "share|a|b|1|2|é", "\x00", ""])
+def test_secrets_macs_and_credentials_of_any_text_are_refused_not_crashed_on(odd):
+    """hmac.compare_digest raises TypeError for non-ASCII str and a lone surrogate cannot be encoded strictly: a
+    hostile token, ticket or credential made the coordinator raise an untyped error instead of refusing it."""
+    from cpattn.cluster.prefix_sharing import ShareGrant, make_share_token, read_share_token
+
+    secret = "s" * 64
+    assert not authority.matches_secret(odd, secret) and not authority.matches_digest(odd, authority.digest(secret))
+    assert authority.digest(odd) != authority.digest(secret)
+    assert authority.read_ticket(secret, "c-1-g", f"c-1|1.0|{odd}") is None
+    genuine = make_share_token(secret, ShareGrant("seq-a", "c-1", 3, 200.0))
+    for token in (odd, genuine.rsplit("|", 1)[0] + "|" + odd):
+        with pytest.raises(AccessDeniedError, match="fork_shared refused"):
+            read_share_token(secret, token, 100.0)
+    assert read_share_token(secret, genuine, 100.0) == ShareGrant("seq-a", "c-1", 3, 200.0)

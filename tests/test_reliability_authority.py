@@ -96,6 +96,15 @@ def test_a_client_credential_is_not_the_operators(service):
         with pytest.raises(AccessDeniedError, match="only the operator may"):
             other.shutdown()
         run_step(other, Oracle(other.config, 3), {other.add_sequence(): 3})   # still connected and working
+        # A wrong operator credential: refused before this client ends anything (it closed itself first, and its
+        # lease then lapsed and freed its sequences), and said as what it is, not as an unknown client.
+        other.operator_credential = authority.new_operator_credential()
+        admin_stats = lambda: other.stats(admin=True)   # noqa: E731
+        for call, what in ((other.shutdown, r"shutdown\(\)"), (admin_stats, r"stats\(admin=True\)")):
+            with pytest.raises(AccessDeniedError, match=what + " refused: operator_credential is not this service's"):
+                call()
+        other.operator_credential = None
+        run_step(other, Oracle(other.config, 4), {other.add_sequence(): 2})   # not closed: its lease renewed
         shard = current_shards(service)[0]
         for method in ("kv_checksum", "group_names", "info", "simulate_hang"):
             _refusal(getattr(shard, method).remote(other.credential))

@@ -220,6 +220,32 @@ def test_per_client_quota_is_enforced_per_client_and_changes_nothing(quota_servi
     svc.free(a)
 
 
+def test_forks_and_fills_inside_an_open_step_count_its_tokens(quota_service):
+    """The open step's pages are held: a fork or fill made inside it took the client past its quota (50 of 40).
+    A client cannot close() or shutdown() inside its own step either (the step's attend then failed untyped)."""
+    svc, other = quota_service
+    oracle = Oracle(svc.config, 44)
+    a, c = svc.add_sequence(), svc.add_sequence()
+    svc.fill_synthetic(c, 15)
+
+    def in_step(step, layer):
+        if layer == 0:
+            before = snapshot(svc, [other])
+            with pytest.raises(CapacityError, match="client quota: holding 35 tokens, this step adds 15"):
+                svc.fork(c)
+            with pytest.raises(CapacityError, match="client quota: holding 35 tokens, this step adds 6"):
+                svc.fill_synthetic(c, 6)
+            for call in (svc.close, svc.shutdown):
+                with pytest.raises(InvalidRequestError, match=r"inside an open step: leave the `with svc.step"):
+                    call()
+            assert snapshot(svc, [other]) == before
+
+    checked_step(svc, oracle, {a: 20}, after_layer=in_step, tol=TOL)
+    assert svc.fill_synthetic(c, 5) == 20   # exactly up to the quota once the step committed
+    svc.free(a)
+    svc.free(c)
+
+
 def test_sharing_needs_the_owners_token_and_survives_the_owner_freeing(two_clients):
     """Another client sees nothing of a sequence without its owner's share token; with it, it gets a fork of its
     own (the owner's KV untouched by the fork's writes); forged, altered and expired tokens are refused and

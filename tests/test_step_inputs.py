@@ -56,3 +56,23 @@ def test_sinks_are_finite_logits_one_per_query_head():
         checked_sinks(CFG, torch.tensor([0.0, float("inf"), 0.0, 0.0]), torch.device("cpu"))
     with pytest.raises(InvalidRequestError, match="sinks must be a tensor .* got list"):
         checked_sinks(CFG, [0.0] * 4, torch.device("cpu"))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_nested_tensors_and_tensors_needing_grad_are_refused_by_name():
+    """A nested (strided) tensor raised an untyped RuntimeError from .shape; q/k/v needing grad (a model run
+    without torch.no_grad()) failed as a data-plane error whose advice (run the step again) could never work."""
+    q, k, v = _qkv()
+    nested = torch.nested.nested_tensor(list(k.unbind(0)))
+    with pytest.raises(InvalidRequestError, match=r"k is a nested tensor: pass a dense one \(\[T, heads, head_size"):
+        check_qkv(CFG, 5, q, nested, v, check_finite=True)
+    for name, args in (("q", (q.clone().requires_grad_(), k, v)), ("v", (q, k, v.clone().requires_grad_()))):
+        with pytest.raises(InvalidRequestError, match=rf"{name} requires grad, and attention through cpattn is not "
+                                                      rf"differentiable: run the model under torch.no_grad\(\)"):
+            check_qkv(CFG, 5, *args, check_finite=True)
+    with torch.no_grad():   # made under no_grad: accepted
+        check_qkv(CFG, 5, q * 1.0, k, v, check_finite=True)
+    with pytest.raises(InvalidRequestError, match=r"sinks is a nested tensor: pass a dense one"):
+        checked_sinks(CFG, torch.nested.nested_tensor([torch.zeros(4)]), torch.device("cpu"))
+    grad_sinks = torch.zeros(4, requires_grad=True)   # an nn.Parameter's sinks need grad even under no_grad: read
+    assert checked_sinks(CFG, grad_sinks, torch.device("cpu")).requires_grad is False

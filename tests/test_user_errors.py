@@ -215,3 +215,21 @@ def test_numpy_is_a_declared_dependency():
     tomllib = pytest.importorskip("tomllib")
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps), deps
+
+
+def test_start_and_connect_arguments_are_checked_before_ray():
+    """cpattn.start("x") raised AttributeError, start(config, num_shards=2) dropped the keywords silently, and
+    connect(name=123) / timeout_s=nan raised TypeError or ValueError from inside Ray."""
+    import cpattn
+    from cpattn.errors import InvalidRequestError
+
+    for args, kwargs, match in ((("x",), {}, "takes a cpattn.ServiceConfig or its fields as keywords, got str"),
+                                ((cpattn.ServiceConfig(),), {"num_shards": 2}, "got ServiceConfig and fields num_shards")):
+        with pytest.raises(ConfigError, match=match):
+            cpattn.start(*args, **kwargs)
+    for kwargs, match in ((dict(name=123), r"name 123 must be the service's name, a non-empty str"),
+                          (dict(namespace=""), r"namespace '' must be"),
+                          (dict(timeout_s=float("nan")), r"timeout_s nan must be a number of seconds in \(0, 86400\]"),
+                          (dict(timeout_s=-1), "timeout_s -1 must be"), (dict(timeout_s=True), "timeout_s True must")):
+        with pytest.raises(InvalidRequestError, match=match):
+            cpattn.connect(**kwargs)

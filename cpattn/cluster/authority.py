@@ -116,9 +116,20 @@ def new_operator_credential() -> str:
     return "op-" + secrets.token_urlsafe(32)
 
 
+def as_bytes(text: str) -> bytes:
+    """Any str a caller sends, as bytes: hashes and constant-time comparisons take them whatever the text holds
+    (compare_digest refuses non-ASCII str with TypeError; a lone surrogate cannot be encoded strictly)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def same_text(a: str, b: str) -> bool:
+    """Constant-time equality of two strings (a MAC or secret a caller sent, and the real one)."""
+    return hmac.compare_digest(as_bytes(a), as_bytes(b))
+
+
 def digest(credential: str) -> str:
     """Credentials are kept (and journalled) only as hashes."""
-    return hashlib.sha256(credential.encode()).hexdigest()
+    return hashlib.sha256(as_bytes(credential)).hexdigest()
 
 
 def matches_digest(proof, expected_digest: str | None) -> bool:
@@ -127,7 +138,7 @@ def matches_digest(proof, expected_digest: str | None) -> bool:
 
 
 def matches_secret(proof, secret: str | None) -> bool:
-    return isinstance(proof, str) and secret is not None and hmac.compare_digest(proof, secret)
+    return isinstance(proof, str) and secret is not None and same_text(proof, secret)
 
 
 def refuse(who: str, method: str, fix: str) -> AccessDeniedError:
@@ -204,7 +215,7 @@ def make_ticket(secret: str, group_name: str, client_id: str, issued_at: float) 
 
 
 def _ticket_mac(secret: str, group_name: str, client_id: str, stamp: str) -> str:
-    return hmac.new(secret.encode(), f"{group_name}|{client_id}|{stamp}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(as_bytes(secret), as_bytes(f"{group_name}|{client_id}|{stamp}"), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -220,6 +231,6 @@ def read_ticket(secret: str, group_name, ticket) -> Ticket | None:
     client_id, stamp, mac = ticket.split("|")
     if not group_name.startswith(f"{client_id}-"):
         return None
-    if not hmac.compare_digest(mac, _ticket_mac(secret, group_name, client_id, stamp)):
+    if not same_text(mac, _ticket_mac(secret, group_name, client_id, stamp)):
         return None
     return Ticket(client_id, float(stamp))

@@ -63,7 +63,7 @@ class Coordinator(SequenceMethods, RunExtensionMethods):
         self.steps = OpenSteps(config.max_open_steps, _still_running)
         self.metrics = ServiceMetrics(config.name)
         self.ledger = StepLedger(config, self.table, self.steps, self.metrics, self._new_step_id)
-        self.sharing = PrefixSharing(self.table, lambda: self.gen.shard_secret)
+        self.sharing = PrefixSharing(self.table, lambda: self.gen.shard_secret, pending=self.steps.pending_lengths)
         self.recovery = ShardRecovery(self.shard_set, self.table, self._lock, self._shard_replaced)
         self._stop = threading.Event()
         self.restored = False

@@ -91,6 +91,10 @@ class OpenSteps:
     def held_by(self, client_id: str) -> list[OpenStep]:
         return [s for s in self.steps.values() if s.client_id == client_id]
 
+    def pending_lengths(self, client_id: str) -> dict[str, int]:
+        """The lengths the client's open steps take their sequences to (a run: its planned end)."""
+        return {seq_id: n for step in self.held_by(client_id) for seq_id, n in zip(step.seq_ids, step.new_lengths)}
+
     def of(self, step_id, client_id: str) -> OpenStep | None:
         """The client's open step ``step_id``; another client's is as unknown as one that never existed."""
         step = self.steps.get(step_id) if isinstance(step_id, int) else None

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from cpattn.cluster.authority import as_bytes, same_text
 from cpattn.cluster.ids import canonical_id, new_sequence_id
 from cpattn.cluster.sequence_table import Sequence, SequenceTable
 from cpattn.errors import AccessDeniedError, InvalidRequestError
@@ -38,7 +39,7 @@ class ShareGrant:
 
 
 def _mac(secret: str, body: str) -> str:
-    return hmac.new(secret.encode(), f"share|{body}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(as_bytes(secret), as_bytes(f"share|{body}"), hashlib.sha256).hexdigest()
 
 
 def make_share_token(secret: str, grant: ShareGrant) -> str:
@@ -52,7 +53,7 @@ def read_share_token(secret: str, token, now: float) -> ShareGrant:
     if len(parts) != 6 or parts[0] != "share":
         raise AccessDeniedError("fork_shared refused: that is not a share token (use the string share() returned)")
     body, mac = "|".join(parts[1:5]), parts[5]
-    if not hmac.compare_digest(mac, _mac(secret, body)):
+    if not same_text(mac, _mac(secret, body)):
         raise AccessDeniedError("fork_shared refused: the share token was not issued by this service (altered, "
                                 "forged, or from another service): ask the sequence's owner for share()")
     seq_id, owner, num_tokens, expires_at = parts[1], parts[2], int(parts[3]), float(parts[4])
@@ -63,8 +64,10 @@ def read_share_token(secret: str, token, now: float) -> ShareGrant:
 
 
 class PrefixSharing:
-    def __init__(self, table: SequenceTable, secret: Callable[[], str], clock: Callable[[], float] = time.time):
+    def __init__(self, table: SequenceTable, secret: Callable[[], str], clock: Callable[[], float] = time.time,
+                 pending: Callable[[str], dict[str, int]] = lambda client_id: {}):
         self.table = table
+        self._pending = pending   # a client's open steps' lengths (OpenSteps.pending_lengths): held for its quota
         self._secret = secret   # the service's shard secret (restored with the journal after a restart)
         self._clock = clock
 
@@ -109,5 +112,5 @@ class PrefixSharing:
         if source.in_step is not None:
             raise InvalidRequestError(f"sequence {source.seq_id} is in open step {source.in_step}: fork it after "
                                       "that step ends (its pages are still being written)")
-        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens)
+        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens, self._pending(client_id))
         return self.table.fork(source, client_id, new_sequence_id(), num_tokens).seq_id

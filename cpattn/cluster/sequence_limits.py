@@ -46,9 +46,11 @@ class SequenceLimits:
         cfg = self.config
         return cfg.num_shards * cfg.blocks_per_shard() * cfg.block_size
 
-    def held_tokens(self, seq) -> int:
-        """Tokens whose KV the sequence holds: its length, or at most its window where windows release pages."""
-        return seq.length if self.window is None else min(seq.length, self.window)
+    def held_tokens(self, seq, length: int | None = None) -> int:
+        """Tokens whose KV the sequence holds (at ``length``, default its length): the length, or at most its
+        window where windows release pages."""
+        length = seq.length if length is None else length
+        return length if self.window is None else min(length, self.window)
 
     def check_growth(self, seq, extra, what: str, busy: str) -> None:
         """The one check before a sequence grows by ``extra`` tokens (a step, fill_synthetic)."""
@@ -69,12 +71,15 @@ class SequenceLimits:
         if seq.in_step is not None:
             raise InvalidRequestError(f"sequence {seq.seq_id} is {busy} open step {seq.in_step}")
 
-    def check_quota(self, client_seqs: list, extra: int) -> None:
-        """``client_seqs``: the client's sequences; ``extra``: the tokens a step or fork adds."""
+    def check_quota(self, client_seqs: list, extra: int, pending: dict[str, int] | None = None) -> None:
+        """``client_seqs``: the client's sequences; ``extra``: the tokens a step, fill or fork adds; ``pending``:
+        the lengths its open step (or decode run) takes its sequences to, whose pages it already holds (a fork or
+        fill inside a step counts them)."""
         quota = self.config.max_tokens_per_client
         if quota is None:
             return
-        held = sum(self.held_tokens(s) for s in client_seqs)
+        pending = pending or {}
+        held = sum(self.held_tokens(s, max(s.length, pending.get(s.seq_id, 0))) for s in client_seqs)
         if held + extra > quota:
             raise CapacityError(f"client quota: holding {held} tokens, this step adds {extra}, max_tokens_per_client "
                                 f"is {quota}: free sequences or raise the quota", needed=held + extra, free=quota - held)

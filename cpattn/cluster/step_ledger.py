@@ -224,7 +224,7 @@ class StepLedger:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**40:
             raise InvalidRequestError(f"seed {seed!r} must be an int in 0..2**40")
         self.table.limits.check_growth(seq, num_tokens, "num_tokens", "in")
-        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens)
+        self.table.limits.check_quota(self.table.owned_by(client_id), num_tokens, self.steps.pending_lengths(client_id))
         growth = self.table.grow([seq], [seq.length + num_tokens])
         plans = plan_step(self.table.allocator, [StepRequest(seq.rows, seq.length, num_tokens)], 0, False, 1,
                           gen.incarnation, gen.shard_secret, growth=growth)
