@@ -61,6 +61,22 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
                 raise ValueError(f"{value!r} is not a JSON mapping: write e.g. '{{\"cpattn_shard\": 1}}'") from None
         return value
 
+    @field_validator("sliding_window", "logits_soft_cap", "kv_scales", mode="before")
+    @classmethod
+    def _list_from_json(cls, value: Any) -> Any:
+        """A per-layer list given as a flag (`--sliding-window '[4096, null]'`) is JSON; `none` / `null` is None."""
+        if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+            return None
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            import json
+
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a JSON list: write e.g. '[4096, null]' (null for a layer "
+                                 "without it)") from None
+        return value
+
     @model_validator(mode="before")
     @classmethod
     def _no_bools_for_numbers(cls, data: Any) -> Any:
@@ -98,7 +114,7 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
             if isinstance(value, list) and len(value) != self.num_layers:
                 raise ValueError(f"{name} has {len(value)} entries for {self.num_layers} layers: give one per "
                                  "layer (None for a layer without it) or a single value for every layer")
-        for layer, w in enumerate(self.layer_windows()):
+        for layer, w in enumerate(self.layer_windows()):   # (num_layers is bounded: these lists stay small)
             if w is not None and not 1 <= w <= MAX_SLIDING_WINDOW:
                 raise ValueError(f"sliding_window {w} of layer {layer} must be in 1..{MAX_SLIDING_WINDOW} (None "
                                  "disables the window: full attention)")
@@ -129,6 +145,11 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
         """What num_blocks_per_shard, kv_cache_bytes_per_shard and max_sequences imply in memory."""
         blocks = self.blocks_per_shard()
         kv_bytes = blocks * self.bytes_per_block()
+        if self.num_blocks_per_shard is None and self.kv_cache_bytes_per_shard < self.bytes_per_block():
+            raise ValueError(
+                f"kv_cache_bytes_per_shard {self.kv_cache_bytes_per_shard} holds no KV page: one page of "
+                f"{self.block_size} tokens over {self.num_layers} layers takes {self.bytes_per_block()} bytes: "
+                "raise kv_cache_bytes_per_shard, or set num_blocks_per_shard")
         if kv_bytes > MAX_KV_BYTES_PER_SHARD:
             raise ValueError(
                 f"num_blocks_per_shard {blocks} means {kv_bytes / 2**30:.4g} GiB of KV cache per shard "
@@ -281,9 +302,15 @@ def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
 
 
 def _describe(exc: ValidationError) -> str:
-    parts = []
+    parts, seen = [], set()
     for err in exc.errors():
-        field = ".".join(str(p) for p in err.get("loc", ())) or "config"
+        loc = err.get("loc", ())
+        # A union field reports each branch (sliding_window.int, sliding_window.list[...]): one line per field.
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("int", "float", "str"))))
+        field = ".".join(str(p) for p in loc) or "config"
+        if field in seen:
+            continue
+        seen.add(field)
         msg = err.get("msg", "").removeprefix("Value error, ")
         if err.get("type") == "finite_number":
             msg += " (inf and nan cannot work here): give a finite value"
@@ -291,7 +318,7 @@ def _describe(exc: ValidationError) -> str:
         if err.get("type") == "extra_forbidden":
             valid = ", ".join(ServiceConfig.model_fields)
             parts.append(f"unknown field {field!r}: valid fields are {valid}")
-        elif isinstance(value, dict):
+        elif isinstance(value, dict) and field == "config":   # a check across fields: its message names them
             parts.append(msg)
         else:
             parts.append(f"{field}={value!r}: {msg}")

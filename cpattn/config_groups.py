@@ -30,7 +30,7 @@ class ModelGeometry(FieldGroup):
 
     num_shards: int = Field(4, ge=1, le=1024)
     """Shard actors; each owns an interleaved share (DCP) of every sequence's KV cache."""
-    num_layers: int = Field(32, ge=1)
+    num_layers: int = Field(32, ge=1, le=4096)
     """Attention layers; each shard holds one paged KV tensor per layer."""
     num_q_heads: int = Field(32, ge=1)
     """Query heads (Hq)."""

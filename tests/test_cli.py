@@ -423,8 +423,18 @@ def test_serve_embedded_stops_cleanly_however_it_is_told():
                 assert expected in err and "Failed to connect to GCS" not in err and BANNER not in err, (key, err)
                 assert took < STOP_BOUND_S, (key, took, err)
                 assert left == [], (key, left)
+                credential_file = _credential_file(procs[key][1])   # its Ray instance is gone: so is the file
+                assert not os.path.exists(credential_file) and not os.path.exists(os.path.dirname(credential_file))
     finally:
         _cleanup([proc for proc, _ in procs.values()])
+
+
+def _credential_file(lines: list[str]) -> str:
+    import re
+
+    found = [m.group(1) for m in map(re.compile(r"read it from (\S+),").search, lines) if m]
+    assert len(found) == 1, lines
+    return found[0]
 
 
 def _stop_embedded(key, proc: subprocess.Popen, serving: str):

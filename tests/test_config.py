@@ -206,3 +206,24 @@ def test_block_pool_is_compact_and_fifo():
     pool.free([1])
     assert pool.allocate(999_997)[-1] == 999_999 and pool.allocate(1) == [1]   # freed blocks go to the back
     assert pool.num_free_blocks == 0
+
+
+def test_sizes_lists_and_field_names_in_errors(tmp_path):
+    """CLI audit (session 29): num_layers 10**12 raised MemoryError; a cache budget under one page was exceeded
+    silently (2.5 GiB for 1 MiB); per-layer lists could not be given as flags; a mapping where a number belongs lost
+    the field's name; a union field reported each of its branches."""
+    cases = ((dict(num_layers=10**12), r"num_layers=1000000000000: Input should be less than or equal to 4096"),
+             (dict(num_layers=80, head_size=256, block_size=256, kv_cache_bytes_per_shard=2**20),
+              r"kv_cache_bytes_per_shard 1048576 holds no KV page: one page of 256 tokens over 80 layers takes"),
+             (dict(num_shards={"a": 1}), r"^num_shards=\{'a': 1\}: Input should be a valid integer$"),
+             (dict(sliding_window=4.5), r"^sliding_window=4.5: Input should be a valid integer, got a number with a "
+                                        r"fractional part$"),
+             (dict(sliding_window="[8,"), r"'\[8,' is not a JSON list: write e.g. '\[4096, null\]'"))
+    for fields, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            ServiceConfig(**fields)
+    cfg = ServiceConfig(num_layers=2, sliding_window="[4096, null]", logits_soft_cap="[30, null]")
+    assert cfg.sliding_window == [4096, None] and cfg.logits_soft_cap == [30.0, None]
+    path = tmp_path / "windowed.yaml"
+    path.write_text("sliding_window: 512\n")
+    assert load_config(path, sliding_window="none").sliding_window is None   # a flag sets the file's list back

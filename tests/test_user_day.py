@@ -35,6 +35,8 @@ def _cli(args: list[str], timeout: float = 60, cwd=ROOT, **env) -> subprocess.Co
     (["demo", "--num-shard", "4"], "cpattn demo: error: unrecognized arguments: --num-shard 4"),
     (["demo", "--shards", "0"], "cpattn demo: error: num_shards=0: "),
     (["demo", "--shards", "many"], "cpattn demo: error: argument --shards: invalid int value: 'many'"),
+    (["demo", "--scale", "nan"], "cpattn demo: error: argument --scale: nan is not in 0.001..8"),   # a traceback
+    (["demo", "--decode-steps", "-1"], "cpattn demo: error: argument --decode-steps: -1 is not in 0..100000"),
     (["bench", "--shard", "2"], "cpattn bench: error: unrecognized arguments: --shard 2: did you mean --shards?"),
     (["lsit"], "cpattn: error: argument command: invalid choice: 'lsit'"),
 ])

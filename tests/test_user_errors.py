@@ -233,3 +233,40 @@ def test_start_and_connect_arguments_are_checked_before_ray():
                           (dict(timeout_s=-1), "timeout_s -1 must be"), (dict(timeout_s=True), "timeout_s True must")):
         with pytest.raises(InvalidRequestError, match=match):
             cpattn.connect(**kwargs)
+
+
+def test_a_serve_that_fails_after_its_coordinator_started_leaves_nothing(ray_session):
+    """`cpattn serve --rpc-timeout-s 0.001` timed out reading the started service and exited, leaving a detached
+    coordinator, shards and placement group whose operator credential was never printed: nobody could stop them."""
+    import ray
+    from ray.util import get_placement_group
+
+    from cpattn.cluster.placement import placement_group_name, shard_actor_name
+    from cpattn.launch.cli import build_parser
+    from cpattn.launch.serve import serve
+    from service_oracle import unique_name
+
+    name = unique_name("serve-fails")
+    args = build_parser().parse_args(["serve", "--name", name, "--num-shards", "1", "--num-layers", "1",
+                                      "--num-q-heads", "2", "--num-kv-heads", "1", "--head-size", "8", "--block-size",
+                                      "4", "--dtype", "float64", "--num-cpus-per-shard", "0.25",
+                                      "--num-blocks-per-shard", "8", "--rpc-timeout-s", "0.001"])
+    with pytest.raises(CpattnError, match="rpc_timeout_s"):
+        serve(args)
+    for actor in (name, shard_actor_name(name, 0)):
+        with pytest.raises(ValueError):
+            ray.get_actor(actor, namespace="cpattn")
+    with pytest.raises(ValueError):
+        get_placement_group(placement_group_name(name))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine with CUDA serves device='cuda'")
+def test_device_cuda_without_cuda_is_one_line_naming_num_gpus_per_shard():
+    """A shard failed with AttributeError: module 'torch._C' has no attribute '_cuda_setDevice' (and `cpattn serve`
+    printed it as a 14-line remote traceback). The shard's constructor, as its actor runs it."""
+    from conftest import service_config
+    from cpattn.cluster.shard import ShardWorker
+
+    with pytest.raises(ConfigError, match=r"shard 0: device 'cuda', but this shard's process sees no CUDA device: "
+                                          r"give shards GPUs with num_gpus_per_shard > 0 \(now 0\)"):
+        ShardWorker(service_config(num_shards=1, device="cuda", backend="TORCH"), 0)

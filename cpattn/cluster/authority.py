@@ -164,8 +164,11 @@ def authorize_coordinator_call(rule: Rule, proof, method: str, who: str, operato
     if rule.who == CLIENT_OR_OPERATOR and operator:
         return
     if not is_client(proof):
-        raise AccessDeniedError(f"{method}: {UNKNOWN_CLIENT}" +
-                                (", or pass the operator credential" if rule.who == CLIENT_OR_OPERATOR else ""))
+        # `cpattn status --operator-credential X` comes here with a wrong X: say that as well as the client's case.
+        raise AccessDeniedError(f"{method}: {UNKNOWN_CLIENT}" + (
+            "; nor is it this service's operator credential (a wrong --operator-credential or "
+            "CPATTN_OPERATOR_CREDENTIAL?): pass the one `cpattn serve` printed" if rule.who == CLIENT_OR_OPERATOR
+            else ""))
 
 
 def remote_surface(impl_cls: type, table: dict[str, Rule], name: str, module: str) -> type:

@@ -33,7 +33,7 @@ from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
 from cpattn.cluster.wire_select import receiver_for
 from cpattn.config import ServiceConfig
-from cpattn.errors import CpattnError
+from cpattn.errors import ConfigError, CpattnError
 from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
 
 logger = logging.getLogger("cpattn.shard")
@@ -54,6 +54,10 @@ class ShardWorker(ShardKVPages, ShardGroups, ShardRunMethods):
         self.bundle_index = bundle_index
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():   # (set_device raised an AttributeError from torch._C)
+                raise ConfigError(f"shard {bundle_index}: device {config.resolved_device()!r}, but this shard's "
+                                  "process sees no CUDA device: give shards GPUs with num_gpus_per_shard > 0 (now "
+                                  f"{config.num_gpus_per_shard:g}) on nodes that have them, or set device='cpu'")
             torch.cuda.set_device(0)   # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU
             self.device = torch.device("cuda", 0)
         else:

@@ -8,6 +8,8 @@ step time goes.
 
 from __future__ import annotations
 
+import argparse
+
 import math
 import statistics
 import time
@@ -35,12 +37,33 @@ def reference(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, con
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
+# A demo stays a demo: 8 x the prompts is ~87K tokens (the cache: 2048 pages of 16 tokens per shard; what does
+# not fit, with few shards or many decode steps, the service refuses with CapacityError, one line).
+MAX_SCALE = 8.0
+
+
+def _in_range(kind: type, low: float, high: float):
+    """An argparse type: a finite ``kind`` in [low, high] (nan, inf, -1 and 1e300 ran, hung or crashed)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not (low <= value <= high):   # (False for nan)
+            raise argparse.ArgumentTypeError(f"{text} is not in {low:g}..{high:g}")
+        return value
+
+    return parse
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="cpattn demo", description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=4, help="shards of the embedded service (default: 4)")
     parser.add_argument("--layers", type=int, default=4, help="attention layers per step (default: 4)")
-    parser.add_argument("--decode-steps", type=int, default=64, help="decode steps after the prefills (default: 64)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a quick run)")
+    parser.add_argument("--decode-steps", type=_in_range(int, 0, 100_000), default=64,
+                        help="decode steps after the prefills (default: 64)")
+    parser.add_argument("--scale", type=_in_range(float, 0.001, MAX_SCALE), default=1.0,
+                        help=f"multiply prompt lengths, up to {MAX_SCALE:g} (e.g. 0.25 for a quick run)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the random q/k/v (default: 0)")
     return parser
 

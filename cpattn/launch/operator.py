@@ -47,7 +47,16 @@ def find(given: str | None, path: Path, command: str) -> str:
 
 
 def forget(path: Path) -> None:
+    """Remove the credential file, and its service's directories once empty (up to ~/.cpattn/operators)."""
     try:
         path.unlink()
     except OSError:
         pass
+    top = Path.home() / ".cpattn" / "operators"
+    for parent in path.parents:
+        if parent == top or top not in parent.parents:
+            break
+        try:
+            parent.rmdir()   # only an empty one
+        except OSError:
+            break

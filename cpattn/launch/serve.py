@@ -38,7 +38,18 @@ def serve(args: argparse.Namespace) -> int:
     with ray_for(cfg) as started_ray:
         operator_credential = new_operator_credential()
         coordinator = launch_coordinator(cfg, operator_credential)
-        described = ray.get(coordinator.describe.remote(operator_credential), timeout=cfg.rpc_timeout_s)
+        try:
+            described = ray.get(coordinator.describe.remote(operator_credential), timeout=cfg.rpc_timeout_s)
+        except BaseException as exc:
+            # Its credential was never shown: nobody could stop what is left, so it all goes now.
+            from cpattn.cluster.service import stop_coordinator
+            from cpattn.errors import ServiceError
+
+            stop_coordinator(coordinator, cfg.rpc_timeout_s, cfg, operator_credential)
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise ServiceError(f"service {cfg.name!r} started but did not answer within rpc_timeout_s="
+                                   f"{cfg.rpc_timeout_s:g}s, and was stopped: raise rpc_timeout_s (default 60)") from None
+            raise
     shards = described["shards"]
     nodes = sorted({s["node_id"] for s in shards})
     first = shards[0]
@@ -63,7 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     flags = target_flags(cfg, address)
     print(f"attach with cpattn.connect(name={cfg.name!r}, namespace={cfg.namespace!r}, address={address!r})",
           flush=True)
-    return EmbeddedServer(coordinator, cfg, operator_credential).run(
+    return EmbeddedServer(coordinator, cfg, operator_credential, path).run(
         f"embedded Ray at {address}: serving until Ctrl-C (other shells: `cpattn status{flags}`, "
         f"`cpattn stop{flags}`; use --address to run on a cluster that outlives this process)")
 
@@ -95,9 +106,10 @@ class EmbeddedServer:
     STOP_TIMEOUT_S = 5.0
     SHUTDOWN_TIMEOUT_S = 10.0
 
-    def __init__(self, coordinator, cfg: ServiceConfig, operator_credential: str):
+    def __init__(self, coordinator, cfg: ServiceConfig, operator_credential: str, credential_path=None):
         import ray
 
+        self.credential_path = credential_path   # dies with this embedded instance: removed on every way out
         self.coordinator = coordinator
         self.operator_credential = operator_credential
         self.cfg = cfg
@@ -117,6 +129,15 @@ class EmbeddedServer:
         ended, why = threading.Event(), {}
         watcher = threading.Thread(target=self._watch, args=(ended, why), name="cpattn-serve-watch", daemon=True)
         try:
+            return self._serve(announcement, watcher, ended, why)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _serve(self, announcement: str, watcher: threading.Thread, ended: threading.Event, why: dict) -> int:
+        import ray
+
+        try:
             try:
                 print(announcement, flush=True)
                 watcher.start()
@@ -124,6 +145,7 @@ class EmbeddedServer:
                     pass
                 if why.get("daemons_gone"):
                     print("the embedded Ray instance stopped: exiting", file=sys.stderr, flush=True)
+                    self._forget_credential()
                     self._exit_without_ray(1)
                 print(f"service {self.cfg.name!r} was stopped (`cpattn stop`): shutting down the embedded "
                       "Ray instance", file=sys.stderr, flush=True)
@@ -132,6 +154,7 @@ class EmbeddedServer:
             except KeyboardInterrupt:
                 ended.set()   # the watcher stops at its next poll
                 print("stopping the service", file=sys.stderr, flush=True)
+            self._forget_credential()   # (before _exit_without_ray, which ends the process at once)
             # SIGTERM to the whole group (timeout, systemd) also reaches the raylet and GCS, which then drain
             # and stop answering: stop through them only while they do, each step bounded, else take the
             # instance down directly. Either way nothing of the embedded instance is left.
@@ -144,8 +167,14 @@ class EmbeddedServer:
                 pass
             self._exit_without_ray(0)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            self._forget_credential()
+
+    def _forget_credential(self) -> None:
+        """The credential file of an instance that ends with this process (`cpattn stop` removes it too)."""
+        from cpattn.launch import operator
+
+        if self.credential_path is not None:
+            operator.forget(self.credential_path)
 
     def _watch(self, ended: threading.Event, why: dict) -> None:
         """Until ``ended``: remember the instance's workers; end when its daemons or the service are gone."""
