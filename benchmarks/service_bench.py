@@ -147,8 +147,39 @@ def build_parser(prog: str | None = None):
     return parser
 
 
+def _ints(text: str, flag: str, count: int | None = None) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or (count is not None and len(values) != count):
+        what = f"{count} positive ints" if count else "positive ints"
+        raise ValueError(f"--{flag} {text!r} must be {what}, comma-separated")
+    return values
+
+
+def _checked_grid(parser, args, dtype: str):
+    """Every argument before Ray starts (a bad one was a traceback, some after a whole run): one line each."""
+    import cpattn
+
+    try:
+        heads = _ints(args.heads, "heads", 3)
+        grid = [_ints(getattr(args, f), f) for f in ("shards", "batches", "contexts")]
+        for flag in ("layers", "repeats"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag} {getattr(args, flag)} must be >= 1")
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out!r} is a file: name a directory (service_bench.json goes in it)")
+        cpattn.ServiceConfig(num_shards=max(grid[0]), num_layers=args.layers, num_q_heads=heads[0],
+                             num_kv_heads=heads[1], head_size=heads[2], dtype=dtype)
+    except (ValueError, cpattn.CpattnError) as exc:   # (ConfigError is a ValueError too)
+        parser.error(str(exc))
+    return (heads, *grid)
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     import torch
 
     defaults = {"shards": "1,2,4", "batches": "1,16,64", "contexts": "4096,16384,32768,65536", "layers": 4, "repeats": 3}
@@ -156,10 +187,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    hq, hk, d = (int(x) for x in args.heads.split(","))
+    (hq, hk, d), shard_counts, batches, contexts = _checked_grid(parser, args, dtype)
     block = 16
-    cases = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))
-             if b * c <= args.max_tokens]
+    cases = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
     print(f"cpattn service bench: Hq {hq} Hk {hk} D {d} {dtype} on {args.device}, backend {args.backend}, "
           f"{args.layers} layers, per-layer ms (medians)")
     print(HEADER)
@@ -177,7 +207,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # service then costs only its own actors, not a Ray start and shutdown each (cp_scaling.py does the same).
     from cpattn.cluster.service import ensure_ray
 
-    shard_counts = list(map(int, args.shards.split(",")))
     ensure_ray(None, "cpattn", num_cpus_hint=max(shard_counts) * 1.0)   # every service here: 1 CPU a shard
     for n in shard_counts:
         rows += bench_service(n, cases, args.layers, hq, hk, d, block, args.repeats, args.max_tokens, args.device,

@@ -61,6 +61,12 @@ class ServiceConfig(AttentionFeatures, ClientLimits, Reliability, StepExecution,
                 raise ValueError(f"{value!r} is not a JSON mapping: write e.g. '{{\"cpattn_shard\": 1}}'") from None
         return value
 
+    @field_validator("backend", "prefill_backend", mode="before")
+    @classmethod
+    def _keyword_any_case(cls, value: Any) -> Any:
+        """`--backend torch` worked but AUTO / SAME did not: the keywords match in any case, as the names do."""
+        return value.lower() if isinstance(value, str) and value.lower() in ("auto", "same") else value
+
     @field_validator("sliding_window", "logits_soft_cap", "kv_scales", mode="before")
     @classmethod
     def _list_from_json(cls, value: Any) -> Any:

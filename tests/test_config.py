@@ -222,6 +222,8 @@ def test_sizes_lists_and_field_names_in_errors(tmp_path):
     for fields, match in cases:
         with pytest.raises(ConfigError, match=match):
             ServiceConfig(**fields)
+    assert (ServiceConfig(backend="AUTO", prefill_backend="Same").backend, ServiceConfig(prefill_backend="SAME")
+            .prefill_backend) == ("auto", "same")   # (names matched in any case; the keywords did not)
     cfg = ServiceConfig(num_layers=2, sliding_window="[4096, null]", logits_soft_cap="[30, null]")
     assert cfg.sliding_window == [4096, None] and cfg.logits_soft_cap == [30.0, None]
     path = tmp_path / "windowed.yaml"

@@ -37,6 +37,12 @@ def _cli(args: list[str], timeout: float = 60, cwd=ROOT, **env) -> subprocess.Co
     (["demo", "--shards", "many"], "cpattn demo: error: argument --shards: invalid int value: 'many'"),
     (["demo", "--scale", "nan"], "cpattn demo: error: argument --scale: nan is not in 0.001..8"),   # a traceback
     (["demo", "--decode-steps", "-1"], "cpattn demo: error: argument --decode-steps: -1 is not in 0..100000"),
+    (["submit", "--address", "http://127.0.0.1:9", "--entrypoint-num-cpus", "nan", "--", "true"],
+     "cpattn submit: error: argument --entrypoint-num-cpus: nan is not in 0..1e+06"),   # the server's JSON error
+    (["submit", "--address", "http://127.0.0.1:9", "--env", "=x", "--", "true"],        # checked before the server
+     "cpattn submit: error: --env '=x' is not KEY=VALUE"),
+    (["bench", "--heads", "8,2"], "cpattn bench: error: --heads '8,2' must be 3 positive ints"),   # tracebacks
+    (["bench", "--quick", "--repeats", "0"], "cpattn bench: error: --repeats 0 must be >= 1"),    # (after a run)
     (["bench", "--shard", "2"], "cpattn bench: error: unrecognized arguments: --shard 2: did you mean --shards?"),
     (["lsit"], "cpattn: error: argument command: invalid choice: 'lsit'"),
 ])

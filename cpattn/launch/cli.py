@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Sequence
 
-from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, Parser
+from cpattn.launch.common import SERVICE_FLAG_EXCLUDED, Parser, in_range
 
 _PASSTHROUGH = {"bench": "cpattn.launch.bench", "demo": "cpattn.launch.demo"}
 _COMMANDS = {"serve": ("cpattn.launch.serve", "serve"), "status": ("cpattn.launch.status", "status"),
@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="environment variable for the job (repeatable)")
     submit.add_argument("--pip", action="append", default=[], metavar="REQ",
                         help="pip requirement installed in the job's runtime_env (repeatable)")
-    submit.add_argument("--entrypoint-num-cpus", type=float, default=None, help="CPUs reserved for the entrypoint")
-    submit.add_argument("--entrypoint-num-gpus", type=float, default=None,
+    submit.add_argument("--entrypoint-num-cpus", type=in_range(float, 0, 1e6), default=None,
+                        help="CPUs reserved for the entrypoint")
+    submit.add_argument("--entrypoint-num-gpus", type=in_range(float, 0, 1e6), default=None,
                         help="GPUs reserved for the entrypoint (Ray sets its CUDA_VISIBLE_DEVICES); 0.5 leaves the "
                              "other half of its GPU to a cpattn shard the job computes in-process")
     submit.add_argument("--submission-id", default=None, help="job id to use (default: generated)")

@@ -67,6 +67,20 @@ def attach(address: str | None, namespace: str) -> bool:
     return True
 
 
+def in_range(kind: type, low: float, high: float):
+    """An argparse type: a finite ``kind`` in [low, high] (demo's nan, inf, -1 and 1e300 ran, hung or crashed)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not (low <= value <= high):   # (False for nan)
+            raise argparse.ArgumentTypeError(f"{text} is not in {low:g}..{high:g}")
+        return value
+
+    return parse
+
+
 def default_address(address: str | None) -> str | None:
     """Every command's cluster: --address, else RAY_ADDRESS, else None (the command's own default)."""
     return address or os.environ.get("RAY_ADDRESS") or None

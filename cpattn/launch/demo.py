@@ -8,14 +8,13 @@ step time goes.
 
 from __future__ import annotations
 
-import argparse
 
 import math
 import statistics
 import time
 from typing import TYPE_CHECKING
 
-from cpattn.launch.common import Parser
+from cpattn.launch.common import Parser, in_range
 
 if TYPE_CHECKING:   # torch is imported where it runs: a usage error comes back without its ~3 s import
     import torch
@@ -42,27 +41,13 @@ def reference(q_LQD: torch.Tensor, k_LKD: torch.Tensor, v_LKD: torch.Tensor, con
 MAX_SCALE = 8.0
 
 
-def _in_range(kind: type, low: float, high: float):
-    """An argparse type: a finite ``kind`` in [low, high] (nan, inf, -1 and 1e300 ran, hung or crashed)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not (low <= value <= high):   # (False for nan)
-            raise argparse.ArgumentTypeError(f"{text} is not in {low:g}..{high:g}")
-        return value
-
-    return parse
-
-
 def build_parser() -> Parser:
     parser = Parser(prog="cpattn demo", description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=4, help="shards of the embedded service (default: 4)")
     parser.add_argument("--layers", type=int, default=4, help="attention layers per step (default: 4)")
-    parser.add_argument("--decode-steps", type=_in_range(int, 0, 100_000), default=64,
+    parser.add_argument("--decode-steps", type=in_range(int, 0, 100_000), default=64,
                         help="decode steps after the prefills (default: 64)")
-    parser.add_argument("--scale", type=_in_range(float, 0.001, MAX_SCALE), default=1.0,
+    parser.add_argument("--scale", type=in_range(float, 0.001, MAX_SCALE), default=1.0,
                         help=f"multiply prompt lengths, up to {MAX_SCALE:g} (e.g. 0.25 for a quick run)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the random q/k/v (default: 0)")
     return parser

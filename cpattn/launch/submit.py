@@ -45,9 +45,10 @@ def submit(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
 
+    runtime_env = build_runtime_env(args)   # its own errors before the job server is asked anything
     client = connect_job_server(args.address)
     try:
-        job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=build_runtime_env(args),
+        job_id = _submit_with_retry(client, entrypoint=shlex.join(entrypoint), runtime_env=runtime_env,
                                     submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus,
                                     entrypoint_num_gpus=args.entrypoint_num_gpus)
     except (RuntimeError, ValueError, OSError, ray_error()) as exc:
@@ -66,7 +67,8 @@ def submit(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError, OSError, ray_error()) as exc:
         raise ServiceError(f"lost the job server at {client.get_address()} while following job {job_id}: "
                            f"{_first_line(exc)} (`ray job status {job_id}` shows it)") from exc
-    print(f"job {job_id} {job_status.value}", file=sys.stderr)
+    why = "" if job_status == JobStatus.SUCCEEDED else _status_message(client, job_id)
+    print(f"job {job_id} {job_status.value}{': ' + why if why else ''}", file=sys.stderr)
     return {JobStatus.SUCCEEDED: 0, JobStatus.STOPPED: 2}.get(job_status, 1)
 
 
@@ -118,6 +120,14 @@ def _submit_with_retry(client, timeout_s: float = 60.0, **job) -> str:
 async def _stream_logs(client, job_id: str) -> None:
     async for lines in client.tail_job_logs(job_id):
         print(lines, end="", flush=True)
+
+
+def _status_message(client, job_id: str) -> str:
+    """Why a job did not succeed, as the job server says (a bad resource request says so only there)."""
+    try:
+        return (client.get_job_info(job_id).message or "").strip().splitlines()[0]
+    except Exception:   # (an empty message, or the server gone: the status alone is printed)
+        return ""
 
 
 def _final_status(client, job_id: str):
