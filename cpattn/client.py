@@ -183,8 +183,7 @@ class Service:
         """Leave the service running; drop this client's data-plane group (after its last commit)."""
         if self._closed:
             return
-        self._check_no_step("close()")
-        self._closed = True
+        self._closed = self.gateway.ended = True
         self.gateway.close()
         if self._owns_ray and not self._owns_service:
             ray.shutdown()
@@ -193,7 +192,6 @@ class Service:
         """Stop the whole service (shards, placement group, coordinator); leaves nothing running. The operator
         only: a client without ``operator_credential`` is refused (AccessDeniedError) and stays connected."""
         self._check_operator("shutdown() stops the whole service", "close() ends just this client")
-        self._check_no_step("shutdown()")
         if not self._closed:   # a refused credential must leave this client as it was: asked before anything ends
             try:
                 self._admin_stats("shutdown()")
@@ -202,7 +200,7 @@ class Service:
             except CpattnError:   # a dead or hung coordinator: stopped below all the same
                 pass
         was_closed = self._closed
-        self._closed = True
+        self._closed = self.gateway.ended = True
         if not was_closed:
             try:
                 self.gateway.flush(end_run=True)
@@ -237,11 +235,6 @@ class Service:
             raise AccessDeniedError(f"{what} refused: operator_credential is not this service's operator "
                                     "credential (printed by `cpattn serve`; Service.operator_credential of "
                                     "cpattn.start)") from None
-
-    def _check_no_step(self, what: str) -> None:
-        if not self._closed:
-            self.gateway.check_no_open_step(f"{what} inside an open step: leave the `with svc.step(...)` block first "
-                                            f"(it commits or rolls the step back), then call {what}")
 
     def _check_open(self) -> None:
         if self._closed:

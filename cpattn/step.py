@@ -76,6 +76,9 @@ class Step:
         per head with no value; it enters once, in the client's merge (never once per shard).
         """
         run = self._run
+        if self._gw.ended:   # (its data-plane group is gone: the shards rolled the step back with the client)
+            raise InvalidRequestError("this client was closed or shut down while the step was open: the step was "
+                                      "rolled back; connect again with cpattn.connect() and run it again")
         run.require_open()
         if threading.get_ident() != self._thread:   # a client (and its step) is one-thread
             raise InvalidRequestError("attend() from a thread other than the one that opened the step: a client "

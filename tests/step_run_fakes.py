@@ -38,6 +38,7 @@ class FakeHost:
         self.device = torch.device("cpu")
         self.runs_ahead = False   # read by the public Step's layer-order check
         self.open_step = None
+        self.ended = False   # close() / shutdown() of the client (read by the public Step's attend)
         self.nonfinite = False
         self.script = {name: list(answers) for name, answers in script.items()}
         self.calls: list[tuple] = []

@@ -13,7 +13,7 @@ import pytest
 
 import cpattn
 from conftest import service_config
-from cpattn.errors import AccessDeniedError, CapacityError, InvalidRequestError
+from cpattn.errors import AccessDeniedError, CapacityError, CpattnError, InvalidRequestError
 from reliability_common import snapshot
 from service_oracle import Oracle, checked_step, local_tokens
 
@@ -221,8 +221,7 @@ def test_per_client_quota_is_enforced_per_client_and_changes_nothing(quota_servi
 
 
 def test_forks_and_fills_inside_an_open_step_count_its_tokens(quota_service):
-    """The open step's pages are held: a fork or fill made inside it took the client past its quota (50 of 40).
-    A client cannot close() or shutdown() inside its own step either (the step's attend then failed untyped)."""
+    """The open step's pages are held: a fork or fill made inside it took the client past its quota (50 of 40)."""
     svc, other = quota_service
     oracle = Oracle(svc.config, 44)
     a, c = svc.add_sequence(), svc.add_sequence()
@@ -235,15 +234,39 @@ def test_forks_and_fills_inside_an_open_step_count_its_tokens(quota_service):
                 svc.fork(c)
             with pytest.raises(CapacityError, match="client quota: holding 35 tokens, this step adds 6"):
                 svc.fill_synthetic(c, 6)
-            for call in (svc.close, svc.shutdown):
-                with pytest.raises(InvalidRequestError, match=r"inside an open step: leave the `with svc.step"):
-                    call()
             assert snapshot(svc, [other]) == before
 
     checked_step(svc, oracle, {a: 20}, after_layer=in_step, tol=TOL)
     assert svc.fill_synthetic(c, 5) == 20   # exactly up to the quota once the step committed
     svc.free(a)
     svc.free(c)
+
+
+def test_a_client_closed_inside_its_step_gets_typed_errors_and_keeps_its_sequences(quota_service):
+    """close() inside an open step (shutdown() too: an operator stops a service whatever its clients do): the step's
+    next attend raised AttributeError ('NoneType' object has no attribute 'send_own_layers')."""
+    svc, _ = quota_service
+    client = cpattn.connect(name=svc.config.name, namespace=svc.config.namespace)
+    oracle = Oracle(client.config, 45)
+    s = client.add_sequence()
+    checked_step(client, oracle, {s: 4}, tol=TOL)
+    step = client.step({s: 2})
+    step.__enter__()
+    step.attend(0, *oracle.random_qkv(2))
+    client.close()
+    with pytest.raises(InvalidRequestError, match="this client was closed or shut down while the step was open"):
+        step.attend(1, *oracle.random_qkv(2))
+    try:
+        step.__exit__(None, None, None)
+    except CpattnError:   # (the service ended the client: a typed error or nothing)
+        pass
+    back = cpattn.connect(name=svc.config.name, namespace=svc.config.namespace, credential=client.credential)
+    try:
+        assert back.sequences() == {s: 4}   # close() keeps its sequences; the step was rolled back
+        checked_step(back, oracle, {s: 3}, tol=TOL)
+    finally:
+        back.free(s)
+        back.close()
 
 
 def test_sharing_needs_the_owners_token_and_survives_the_owner_freeing(two_clients):

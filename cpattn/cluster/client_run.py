@@ -352,12 +352,11 @@ class RunControl:
             self.check_no_open_step()
             self.open_step = step
 
-    def check_no_open_step(self, refusal: str | None = None) -> None:
+    def check_no_open_step(self) -> None:
         # The RunReaper ending an idle run is not a step: claim() waits for it.
         if self.open_step is not None and self.open_step is not _REAPING:
-            raise InvalidRequestError(refusal or "a step is already open on this client: finish it first; a client "
-                                      "serves one thread and one step at a time (use a second client for concurrent "
-                                      "steps)")
+            raise InvalidRequestError("a step is already open on this client: finish it first; a client serves one "
+                                      "thread and one step at a time (use a second client for concurrent steps)")
 
     def release(self, step) -> None:
         with self._guard:

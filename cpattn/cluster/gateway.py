@@ -103,6 +103,7 @@ class Gateway(RunControl, GroupMembership):
         self._run_lock = threading.RLock()
         self._reaper: RunReaper | None = None
         self.open_step = None
+        self.ended = False   # close() or shutdown(): a step still open then is refused at its next attend
         self.last_step_timings: dict[str, float] = {}
         self._guard = threading.Lock()
         self._reaped = threading.Condition(self._guard)

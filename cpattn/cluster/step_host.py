@@ -32,6 +32,8 @@ class StepHost(Protocol):
     device: torch.device
     open_step: Any
     """The step holding this client's one-step claim (None when none does)."""
+    ended: bool
+    """The client was closed or shut down: a step still open is refused at its next attend (cpattn/step.py)."""
 
     # The client's one open step ---------------------------------------------------------------------------------
     def claim(self, owner) -> None:
