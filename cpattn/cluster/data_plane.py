@@ -46,6 +46,11 @@ class WireError(Exception):
     """A data-plane collective failed (a peer died, hung past the timeout, or the group broke)."""
 
 
+class LocalWorkError(Exception):
+    """A layer's work in the client's own process failed (an in-process shard's kernel, the merge: out of memory,
+    a CUDA error), not the wire: replaying it elsewhere cannot help, so the step rolls back and says so."""
+
+
 CMD_ATTEND = 1
 CMD_ABORT = 3
 CMD_NEXT = 4   # run header: the run's next step follows

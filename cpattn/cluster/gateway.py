@@ -20,6 +20,8 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +32,7 @@ from cpattn.cluster.client_device import choose_data_plane, client_device
 from cpattn.cluster.client_group import GroupMembership
 from cpattn.cluster.client_run import (FIRST_RUN_STEPS, RUN_IDLE_S, BegunStep, DecodeRun, PendingCommit, Phases,
                                        RunControl, RunReaper)
-from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, WireError, partial_tag
+from cpattn.cluster.data_plane import CMD_ABORT, CMD_ATTEND, DataPlane, LocalWorkError, WireError, partial_tag
 from cpattn.cluster.decode_graphs import DecodeGraphs
 from cpattn.cluster.decode_run_plans import use_block_tables
 from cpattn.cluster.lease import LeaseKeeper
@@ -245,11 +247,14 @@ class Gateway(RunControl, GroupMembership):
 
     def attend(self, wire: StepWire, layer: int, message: LayerMessage, sinks_Q: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """One layer: broadcast to remote shards, compute the local ones, merge every partial here.
-        ``sinks_Q`` (learned sink logits per query head) enter once, after the merge (apply_sinks).
-        A torch.distributed failure (DistBackendError, gloo/NCCL) is a WireError; the group is unusable after it."""
+        """One layer: broadcast to remote shards, compute the local ones, merge every partial here; ``sinks_Q`` (sink
+        logits per query head) enter after the merge. A torch.distributed failure is a WireError, this process's own
+        work's a LocalWorkError; either way the group is rebuilt before the next step (partials may be in flight)."""
         try:
             return self._attend(wire, layer, message, sinks_Q)
+        except LocalWorkError:
+            self.plane_broken = self.plane is not None
+            raise
         except RuntimeError as exc:
             self.plane_broken = True
             raise WireError(f"data plane: {type(exc).__name__}: {exc}") from exc
@@ -264,7 +269,7 @@ class Gateway(RunControl, GroupMembership):
         # NCCL: the remote partials' receives go first, so each lands while the in-process shards compute.
         posted = post_partials(self.plane, wire, self.remote, cfg, self.device) if self.runs_ahead else None
         # The in-process shards compute while the sends are in flight (gloo: its threads; NCCL: its stream).
-        parts = [(step.rows, *self.local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
+        parts = _local_partials(self.local, wire, layer, q, k, v)
         if sending:
             self.plane.finish(sending)
         posted = iter(posted or ())
@@ -281,9 +286,7 @@ class Gateway(RunControl, GroupMembership):
             out, lse, broken = self.plane.take_partial(one, self.device, partial_tag(wire.step_id, layer))
             wire.broken.append(broken)
             parts.append((rows, out, lse))
-        if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
-            return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
-        return merge_rows(parts, wire.num_tokens, sinks_Q, wire.disjoint)
+        return _merged(parts, wire, sinks_Q)
 
     def abort_wire(self, wire: StepWire, remaining: int) -> None:
         """Release the remote shards still waiting for this step's ``remaining`` layers (messages of a layer's size).
@@ -331,3 +334,29 @@ class Gateway(RunControl, GroupMembership):
 
 
 __all__ = ["Gateway", "StepWire", "PendingCommit", "choose_data_plane", "client_device"]
+
+
+@contextmanager
+def _local_work(what: str) -> Iterator[None]:
+    """Errors of this process's own compute become LocalWorkError (an allocation on a full GPU, a kernel's error);
+    a torch.distributed error raised in here (an NCCL kernel's failure surfacing late) stays the wire's."""
+    try:
+        yield
+    except torch.distributed.DistError:
+        raise
+    except RuntimeError as exc:
+        raise LocalWorkError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _local_partials(local: dict[int, ShardLayerRunner], wire: StepWire, layer: int, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor) -> list[tuple]:
+    """(rows, out, lse) of each in-process shard for this layer."""
+    with _local_work(f"in-process shard(s) {sorted(wire.local)} on {q.device}"):
+        return [(step.rows, *local[r].run_layer(step, layer, q, k, v)) for r, step in wire.local.items()]
+
+
+def _merged(parts: list[tuple], wire: StepWire, sinks_Q: torch.Tensor | None) -> torch.Tensor:
+    with _local_work("merging the shards' partials"):
+        if len(parts) == 1 and sinks_Q is None and any(s.graphs is not None for s in wire.local.values()):
+            return parts[0][1].clone()   # the graph's buffer is overwritten when this layer replays
+        return merge_rows(parts, wire.num_tokens, sinks_Q, wire.disjoint)

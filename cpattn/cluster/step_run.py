@@ -7,6 +7,8 @@
      |               |--the wire failed (in attend, or a shard lost after the last layer while ending)-->
      |               |     the coordinator rolls back; kv_replicas=2: rejoin, begin again, replay the layers
      |               |     attended (at most MAX_RECOVERIES times); kv_replicas=1: rolled_back
+     |               |--this process's own work failed in attend (LocalWorkError: out of memory, a kernel)-->
+     |               |     rolled_back with a ServiceError saying what to change (replaying cannot help)
      |               \\--end(caller_failed)--> rolled_back (silently: the caller's error is the one to see)
      \\--begin refused--> new (the claim released; nothing began)
 
@@ -21,14 +23,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from cpattn.cluster.data_plane import WireError
+import torch
+
+from cpattn.cluster.data_plane import LocalWorkError, WireError
 from cpattn.cluster.wire_messages import LayerMessage
 from cpattn.errors import (AccessDeniedError, CpattnError, IncompleteStepError, InvalidRequestError, ServiceError,
                            ShardLostError, StepFencedError)
 
 if TYPE_CHECKING:
-    import torch
-
     from cpattn.cluster.client_run import PendingCommit
     from cpattn.cluster.messages import EndStepReply
     from cpattn.cluster.step_host import StepHost
@@ -63,7 +65,7 @@ class StepRun:
         """How it ended: committed, commit_sent (async), rolled_back (the caller's error), incomplete, nonfinite,
         wire_after_outputs, gave_up (MAX_RECOVERIES), not_replayable (kv_replicas=1), fenced (a coordinator
         restart), shard_lost (KV lost: ShardLostError), lease_lapsed, refused (the service raised anything else),
-        failed (an unexpected error while ending)."""
+        failed (an unexpected error while ending), failed_here (this process's own work failed in attend)."""
         # A detached coordinator can restart between a step's end and its commit: its callers must know the
         # outcome when the step ends (StepFencedError means run it again), so they always wait.
         self.sync_commit = sync_commit or not cfg.async_commit or cfg.detached
@@ -134,6 +136,8 @@ class StepRun:
                 break
             except WireError as exc:
                 self._recover(str(exc))
+            except LocalWorkError as exc:   # a replay would fail the same way: roll back, say what to change
+                self._fail_closed(f"layer {layer}: {exc}", "failed_here", _failed_here(self.info.step_id, layer, exc))
         else:
             self._fail_closed(f"layer {layer} failed after {MAX_RECOVERIES} shard recoveries")
         if self.replay is not None:
@@ -189,13 +193,13 @@ class StepRun:
                 self._recover(str(exc))   # bounded by MAX_RECOVERIES through self.recoveries
                 return
 
-    def _fail_closed(self, why: str) -> None:
-        self._close(ROLLED_BACK, "gave_up")
+    def _fail_closed(self, why: str, ending: str = "gave_up", error: CpattnError | None = None) -> None:
+        self._close(ROLLED_BACK, ending)
         try:
             self._end(False, why)
         except CpattnError:
             pass
-        raise ServiceError(why)
+        raise error or ServiceError(why)
 
     # Ending -----------------------------------------------------------------------------------------------------
     def end(self, caller_failed: bool = False) -> None:
@@ -222,10 +226,7 @@ class StepRun:
         if len(self.attended) != cfg.num_layers:
             missing = sorted(set(range(cfg.num_layers)) - self.attended)
             self._abort(raise_errors=True, ending="incomplete")
-            raise IncompleteStepError(
-                f"step {self.info.step_id} ended with layers {missing} never attended ({len(self.attended)} of "
-                f"{cfg.num_layers}): it was rolled back and none of its tokens were committed; call step.attend() for "
-                "every layer inside the `with` block, then run the step again", missing)
+            raise _incomplete(self.info.step_id, missing, cfg.num_layers)
         try:
             self.host.wait_for_device(self.wire)   # bounded: reading the flags below cannot hang
         except WireError as exc:
@@ -292,6 +293,24 @@ class StepRun:
         except CpattnError:
             if raise_errors:
                 raise
+
+
+def _incomplete(step_id: int, missing: list[int], num_layers: int) -> IncompleteStepError:
+    return IncompleteStepError(
+        f"step {step_id} ended with layers {missing} never attended ({num_layers - len(missing)} of {num_layers}): "
+        "it was rolled back and none of its tokens were committed; call step.attend() for every layer inside the "
+        "`with` block, then run the step again", missing)
+
+
+def _failed_here(step_id: int, layer: int, exc: LocalWorkError) -> ServiceError:
+    """The error of a step whose own process's work failed (no shard was lost), caused by that work's error."""
+    oom = isinstance(exc.__cause__, torch.OutOfMemoryError)
+    advice = ("free memory on that device or attend fewer tokens per step (max_tokens_per_step)" if oom else
+              "the shards and the service are intact; fix the cause and run the step again")
+    error = ServiceError(f"step {step_id}, layer {layer}: {exc}. The step was rolled back and none of its tokens "
+                         f"were committed: {advice}")
+    error.__cause__, error.__suppress_context__ = exc.__cause__, True
+    return error
 
 
 def _refusal(exc: BaseException) -> str:
