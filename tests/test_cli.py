@@ -476,3 +476,52 @@ def _cleanup(procs: list[subprocess.Popen]) -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+def _job_status(dashboard: str, job_id: str, env: dict) -> str:
+    """The job's status as the job server has it (through submit's own connection, which finds the head's token)."""
+    code = ("import sys; from cpattn.launch.submit import connect_job_server; "
+            "print(connect_job_server(sys.argv[1]).get_job_status(sys.argv[2]).value)")
+    read = _run([sys.executable, "-c", code, dashboard, job_id], env=env)
+    assert read.returncode == 0, read.stderr
+    return read.stdout.strip()
+
+
+def test_submit_stops_a_job_that_cannot_start_and_a_job_whose_submit_got_sigterm(ray_head, tmp_path):
+    """A job asking for a GPU on a cluster with none waited 15 minutes in silence (Ray's own start timeout), and a
+    SIGTERM to `cpattn submit` left its job running. Now: submit gives up at --pending-timeout-s, naming what the
+    job waits for and the fix, and tells the job to stop; SIGTERM stops a running job as Ctrl-C does."""
+    dashboard, env = ray_head["dashboard"], ray_head["env"]
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "sleepy.py").write_text("import time\nprint('sleepy started', flush=True)\ntime.sleep(600)\n")
+    base = [*CLI, "submit", "--address", dashboard, "--working-dir", str(job_dir)]
+    follower = subprocess.Popen([*base, "--", "python", "sleepy.py"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=env)
+    try:
+        pending = _run([*base, "--entrypoint-num-gpus", "1", "--pending-timeout-s", "3", "--", "python", "sleepy.py"],
+                       env=env, timeout=60)
+        assert pending.returncode == 1, pending.stderr
+        error = pending.stderr.strip().splitlines()[-1]
+        assert "did not start within --pending-timeout-s=3: it was waiting for a node with 1 GPU free" in error \
+            and "It was told to stop" in error, error
+        assert "pending for" not in pending.stderr   # the first reminder comes after NOTICE_EVERY_S
+        job_id = error.split("job ")[1].split()[0]
+        # Ray's job server cannot stop a job whose supervisor was never placed: it stays PENDING (never RUNNING) until
+        # Ray's own start timeout fails it; if it were ever placed, the queued stop would end it at once.
+        assert _job_status(dashboard, job_id, env) == "PENDING"
+        deadline = time.monotonic() + 60
+        while "sleepy started" not in follower.stdout.readline():
+            assert time.monotonic() < deadline and follower.poll() is None, follower.stderr.read()
+        follower.send_signal(signal.SIGTERM)
+        out, err = follower.communicate(timeout=30)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 143, err
+    stopped_id = [line.split()[-1] for line in err.splitlines() if line.startswith("stopping job")]
+    assert stopped_id, err
+    deadline = time.monotonic() + 30
+    while (status := _job_status(dashboard, stopped_id[0], env)) != "STOPPED":
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "submit", help="run a script as a Ray job, with this directory as its working_dir",
         description="Submit ENTRYPOINT as a Ray job (Job Submission SDK) with the working directory uploaded "
                     "as runtime_env, stream its logs, and exit with the job's status (0 succeeded, 1 failed, "
-                    "2 stopped). Ctrl-C stops the job.",
+                    "2 stopped). Ctrl-C or SIGTERM stops the job, and so does a job still pending after "
+                    "--pending-timeout-s.",
         epilog="example: cpattn submit --address http://127.0.0.1:8265 -- python examples/long_context_job.py")
     submit.add_argument("--address", default=None,
                         help="Ray dashboard address, e.g. http://head:8265 (default: RAY_ADDRESS, else the local cluster)")
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--entrypoint-num-gpus", type=in_range(float, 0, 1e6), default=None,
                         help="GPUs reserved for the entrypoint (Ray sets its CUDA_VISIBLE_DEVICES); 0.5 leaves the "
                              "other half of its GPU to a cpattn shard the job computes in-process")
+    submit.add_argument("--pending-timeout-s", type=in_range(float, 1, 1e6), default=600.0,
+                        help="give up on a job that has not started after this many seconds (no node has the "
+                             "entrypoint's resources free, or its runtime_env is still being set up) and tell it "
+                             "to stop (default: 600; a reminder every 30 s says what it waits for)")
     submit.add_argument("--submission-id", default=None, help="job id to use (default: generated)")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return without streaming")
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="command to run, after `--`")

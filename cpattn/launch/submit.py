@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import time
 
 from cpattn.errors import ConfigError, ServiceError
 
 # Never uploaded with the working directory: environments, VCS data and caches.
 DEFAULT_EXCLUDES = [".venv", "venv", ".git", "__pycache__", "*.pyc", ".pytest_cache", ".hypothesis", "out"]
+POLL_S = 2.0             # the job's status, read while its logs stream
+NOTICE_EVERY_S = 30.0    # a pending job's reminder
 
 
 def build_runtime_env(args: argparse.Namespace) -> dict:
@@ -57,13 +61,15 @@ def submit(args: argparse.Namespace) -> int:
     if args.no_wait:
         print(job_id)
         return 0
+    # A supervisor's SIGTERM (systemd, a CI runner, `kill`) stops the job as Ctrl-C does: never left running.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
-        asyncio.run(_stream_logs(client, job_id))
+        asyncio.run(_follow(client, job_id, args.pending_timeout_s, _waiting_for(args)))
         job_status = _final_status(client, job_id)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
         client.stop_job(job_id)
         print(f"stopping job {job_id}", file=sys.stderr)
-        return 130
+        return 143 if isinstance(stop, Terminated) else 130
     except (RuntimeError, ValueError, OSError, ray_error()) as exc:
         raise ServiceError(f"lost the job server at {client.get_address()} while following job {job_id}: "
                            f"{_first_line(exc)} (`ray job status {job_id}` shows it)") from exc
@@ -105,8 +111,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _submit_with_retry(client, timeout_s: float = 60.0, **job) -> str:
     """submit_job, retried while a freshly started cluster's job agent is not up yet (HTTP 500 'No available agent')."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -115,6 +119,53 @@ def _submit_with_retry(client, timeout_s: float = 60.0, **job) -> str:
             if "No available agent" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+
+
+class Terminated(Exception):
+    """SIGTERM arrived while a job was followed."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _waiting_for(args: argparse.Namespace) -> str:
+    """What a PENDING job waits for: a node with the entrypoint's resources, and its runtime_env being set up."""
+    asked = [f"{n:g} {kind}" for n, kind in ((args.entrypoint_num_gpus, "GPU"), (args.entrypoint_num_cpus, "CPU"))
+             if n]
+    setup = "its runtime_env (working_dir upload" + (", pip installs" if args.pip else "") + ") to be set up"
+    return f"a node with {' and '.join(asked)} free, or {setup}" if asked else setup
+
+
+async def _follow(client, job_id: str, pending_timeout_s: float, waiting_for: str) -> None:
+    """Stream the job's logs until they end. While the job is PENDING (no node has what the entrypoint asked
+    for free, or its runtime_env is being set up), say so every NOTICE_EVERY_S; past ``pending_timeout_s`` stop it and raise ServiceError (Ray itself
+    would wait RAY_JOB_START_TIMEOUT_SECONDS, 15 minutes, in silence)."""
+    from ray.job_submission import JobStatus
+
+    tail = asyncio.ensure_future(_stream_logs(client, job_id))
+    started, notice_at = time.monotonic(), NOTICE_EVERY_S
+    try:
+        while not tail.done():
+            if await asyncio.to_thread(client.get_job_status, job_id) != JobStatus.PENDING:
+                await tail
+                return
+            waited = time.monotonic() - started
+            if waited > pending_timeout_s:
+                await asyncio.to_thread(client.stop_job, job_id)
+                raise ServiceError(f"job {job_id} did not start within --pending-timeout-s={pending_timeout_s:g}: "
+                                   f"it was waiting for {waiting_for}. It was told to stop (Ray lists it as PENDING until "
+                                   "its start timeout, RAY_JOB_START_TIMEOUT_SECONDS, fails it). `ray status` shows "
+                                   "what the cluster has: ask for less, add a node, or allow a larger "
+                                   "--pending-timeout-s")
+            if waited >= notice_at:
+                notice_at += NOTICE_EVERY_S
+                print(f"cpattn: job {job_id} pending for {waited:.0f}s: waiting for {waiting_for} "
+                      f"(stopped after --pending-timeout-s={pending_timeout_s:g})", file=sys.stderr, flush=True)
+            await asyncio.wait({tail}, timeout=POLL_S)
+        await tail
+    finally:
+        tail.cancel()
 
 
 async def _stream_logs(client, job_id: str) -> None:
@@ -131,8 +182,6 @@ def _status_message(client, job_id: str) -> str:
 
 
 def _final_status(client, job_id: str):
-    import time
-
     # The log stream can end a moment before the job's status turns terminal.
     deadline = time.monotonic() + 30
     while True:
