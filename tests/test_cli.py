@@ -101,6 +101,25 @@ def test_bad_values_name_field_value_and_fix(tmp_path, capsys):
     assert "head_size 100 must be a multiple of 8" in capsys.readouterr().err
 
 
+def test_an_address_error_says_where_the_address_came_from(tmp_path, monkeypatch, capsys):
+    """A bad RAY_ADDRESS or YAML ray_address was blamed on --address, which the user never typed (fails in
+    split_host_port or a refused TCP connect: no Ray starts)."""
+    monkeypatch.setenv("RAY_ADDRESS", "not-an-address")
+    assert main(["status"]) == 1
+    assert capsys.readouterr().err.rstrip().endswith(
+        "'not-an-address' is not host:port: write e.g. 10.0.0.5:6379 (the GCS port of `ray start --head`), or auto "
+        "(that address came from RAY_ADDRESS: correct or unset it, or pass --address)")
+    assert main(["status", "--address", "also-bad"]) == 1   # typed: nothing to add
+    assert "came from" not in capsys.readouterr().err
+    monkeypatch.delenv("RAY_ADDRESS")
+    path = tmp_path / "svc.yaml"
+    path.write_text("ray_address: 127.0.0.1:1\nnum_shards: 1\n")
+    assert main(["serve", "-c", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the Ray cluster at 127.0.0.1:1" in err \
+        and f"(that address came from ray_address in {path}: correct it there, or pass --address)" in err, err
+
+
 def test_submit_needs_an_entrypoint(capsys):
     assert main(["submit", "--address", "http://127.0.0.1:1"]) == 1
     assert "submit needs a command after `--`" in capsys.readouterr().err

@@ -73,8 +73,8 @@ def split_host_port(address: str) -> tuple[str, int]:
     host, sep, port = rest.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit():
-        raise ServiceError(f"Ray address {address!r} is not host:port: write e.g. --address 10.0.0.5:6379 "
-                           "(the GCS port of `ray start --head`), or --address auto")
+        raise ServiceError(f"Ray address {address!r} is not host:port: write e.g. 10.0.0.5:6379 "
+                           "(the GCS port of `ray start --head`), or auto")
     return host, int(port)
 
 

@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:
         command, run = argv[0], lambda: _run_passthrough(argv[0], argv[1:])
+        args = None
     else:
         args = build_parser().parse_args(argv)
         command = args.command
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run()
     except CpattnError as exc:
-        print(f"cpattn {command}: error: {exc}", file=sys.stderr)
+        print(f"cpattn {command}: error: {exc}{_address_origin(args, str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"cpattn {command}: interrupted", file=sys.stderr)
@@ -147,6 +148,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"cpattn {command}: error: {_one_line(exc)} (CPATTN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
+
+
+def _address_origin(args: argparse.Namespace | None, error: str) -> str:
+    """Where the cluster address an error names came from, when it was not typed on this command line: fixing
+    --address does nothing for a bad RAY_ADDRESS or ray_address in the YAML file."""
+    if args is None or getattr(args, "address", None):
+        return ""
+    for variable in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+        value = os.environ.get(variable)
+        if value and value in error:
+            return f" (that address came from {variable}: correct or unset it, or pass --address)"
+    path = getattr(args, "config", None)
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            value = (yaml.safe_load(f) or {}).get("ray_address")
+    except Exception:   # no file, or one that cannot be read again: nothing to add
+        return ""
+    if value and str(value) in error:
+        return f" (that address came from ray_address in {path}: correct it there, or pass --address)"
+    return ""
 
 
 def _is_ray_error(exc: BaseException) -> bool:
