@@ -274,6 +274,10 @@ def _holds_bool(value: Any) -> bool:
     return isinstance(value, dict) and any(map(_holds_bool, value.values()))
 
 
+# The most values a real file holds: kv_scales of 4,096 layers x K and V x 128 KV heads, with room to spare.
+MAX_FILE_VALUES = 1 << 21
+
+
 def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
     """Load a ServiceConfig from YAML; keyword overrides (e.g. CLI flags) win over file values."""
     import yaml
@@ -294,8 +298,14 @@ def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(_describe_yaml_error(path, exc)) from exc
+    except RecursionError:   # PyYAML builds nested values recursively
+        raise ConfigError(f"{path}: values nested too deeply for YAML to read (a ServiceConfig nests three "
+                          "levels at most, kv_scales): fix the brackets") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of ServiceConfig fields, got {type(data).__name__}")
+    if (size := _expanded_size(data, {})) > MAX_FILE_VALUES:   # before pydantic walks (and copies) every one
+        raise ConfigError(f"{path}: the file expands to {size:,} values (through YAML anchors and aliases, *name), "
+                          f"more than any ServiceConfig holds ({MAX_FILE_VALUES:,}): write each list out once")
     odd = [k for k in data if not isinstance(k, str)]
     if odd:
         raise ConfigError(f"{path}: key {odd[0]!r} is not a ServiceConfig field name: keys are names such as "
@@ -305,6 +315,17 @@ def load_config(path: str | Path, **overrides: Any) -> ServiceConfig:
         return ServiceConfig(**data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _expanded_size(value: Any, seen: dict[int, int]) -> int:
+    """Values in ``value`` with every alias expanded. YAML aliases share one object, so counting each object once
+    (``seen``: id -> size) takes time in the file's size, while the expansion can be exponential in it."""
+    if not isinstance(value, (list, dict)):
+        return 1
+    if id(value) not in seen:
+        items = value.values() if isinstance(value, dict) else value
+        seen[id(value)] = 1 + sum(_expanded_size(item, seen) for item in items)
+    return seen[id(value)]
 
 
 def _describe(exc: ValidationError) -> str:
@@ -327,7 +348,9 @@ def _describe(exc: ValidationError) -> str:
         elif isinstance(value, dict) and field == "config":   # a check across fields: its message names them
             parts.append(msg)
         else:
-            parts.append(f"{field}={value!r}: {msg}")
+            shown = repr(value)
+            shown = shown if len(shown) <= 120 else shown[:100] + f"... ({len(shown):,} characters)"
+            parts.append(f"{field}={shown}: {msg}")
     return "; ".join(parts)
 
 

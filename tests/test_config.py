@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import time
 
 import pytest
 import torch
@@ -229,3 +230,30 @@ def test_sizes_lists_and_field_names_in_errors(tmp_path):
     path = tmp_path / "windowed.yaml"
     path.write_text("sliding_window: 512\n")
     assert load_config(path, sliding_window="none").sliding_window is None   # a flag sets the file's list back
+
+
+def test_a_file_of_nested_aliases_or_brackets_is_refused_at_once(tmp_path):
+    """A 400-byte file of nested YAML aliases (a "billion laughs") expands to 10^8 values: it took 33 s and 1 GB
+    before pydantic refused it, and the error printed the whole value; 5,000 nested brackets raised RecursionError."""
+    lines = ["l1: &l1 [" + ", ".join(["1.0"] * 10) + "]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(2, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines + ["kv_scales: *l8", "kv_cache_dtype: fp8_e4m3"]) + "\n")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: the file expands to \d{3},\d{3},\d{3} values \(through YAML "
+                                          r"anchors and aliases"):
+        load_config(bomb)
+    assert time.monotonic() - t0 < 5
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("kv_scales: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: values nested too deeply"):
+        load_config(deep)
+    # Under the bound, a wrong value's repr in the error is cut short.
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("ray_address: [" + ", ".join(["1"] * 5000) + "]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(wide)
+    assert len(str(info.value)) < 600 and "characters)" in str(info.value), str(info.value)[:800]
+    aliased = tmp_path / "aliased.yaml"   # anchors a real file may use stay fine
+    aliased.write_text("num_layers: 2\nsliding_window: &w [4096, null]\nlogits_soft_cap: [30.0, 30.0]\n")
+    assert load_config(aliased).sliding_window == [4096, None]
