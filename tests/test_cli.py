@@ -120,6 +120,23 @@ def test_an_address_error_says_where_the_address_came_from(tmp_path, monkeypatch
         and f"(that address came from ray_address in {path}: correct it there, or pass --address)" in err, err
 
 
+def test_list_tells_a_service_it_cannot_ask_from_one_that_does_not_answer():
+    """`cpattn list` called every service whose operator credential is on another machine "not answering"."""
+    from cpattn.launch.status import NO_CREDENTIAL, format_services
+
+    shard = {"alive": True, "blocks_used": 3, "blocks_free": 5, "bytes": 2**20}
+    table = format_services([
+        {"name": "theirs", "namespace": "ns", "age_s": 5.0, "error": NO_CREDENTIAL},
+        {"name": "hung", "namespace": "ns", "age_s": 5.0, "error": "GetTimeoutError"},
+        {"name": "ours", "namespace": "ns", "age_s": 90.0,
+         "stats": {"shards": [shard, dict(shard, alive=False)], "clients": {"c": {}}, "num_sequences": 4}}])
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+    assert "needs its operator credential" in rows["theirs"] and "not answering" not in rows["theirs"]
+    assert "CPATTN_OPERATOR_CREDENTIAL" in rows["theirs"]
+    assert rows["hung"].endswith("not answering (GetTimeoutError)")
+    assert rows["ours"].split()[2:] == ["1/2", "1", "4", "6/16", "2.00", "2m"]
+
+
 def test_submit_needs_an_entrypoint(capsys):
     assert main(["submit", "--address", "http://127.0.0.1:1"]) == 1
     assert "submit needs a command after `--`" in capsys.readouterr().err

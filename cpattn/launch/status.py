@@ -127,6 +127,9 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
+NO_CREDENTIAL = "no operator credential here"
+
+
 def gather_services() -> list[dict]:
     """Every cpattn service on the cluster (alive coordinators in any namespace), each with its status or why
     it did not answer; the calls run in parallel, bounded by one timeout."""
@@ -153,7 +156,7 @@ def gather_services() -> list[dict]:
     for name, namespace, started_ms in found:
         entry = {"name": name, "namespace": namespace, "age_s": max(0.0, time.time() - started_ms / 1e3)}
         if (name, namespace) not in pending:
-            entry["error"] = "no operator credential here"
+            entry["error"] = NO_CREDENTIAL
             services.append(entry)
             continue
         try:
@@ -172,6 +175,10 @@ def format_services(services: list[dict]) -> str:
              f"{'KV MiB':>8} {'age':>8}"]
     for s in services:
         head = f"{s['name']:<20} {s['namespace']:<12}"
+        if "stats" not in s and s["error"] == NO_CREDENTIAL:   # it may be well: this machine cannot ask it
+            lines.append(f"{head} status needs its operator credential (serve saved it on the machine that "
+                         "started it; or set CPATTN_OPERATOR_CREDENTIAL)")
+            continue
         if "stats" not in s:
             lines.append(f"{head} not answering ({s['error']})")
             continue
