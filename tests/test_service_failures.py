@@ -153,13 +153,14 @@ def test_hung_shard_surfaces_as_typed_error_not_a_hang(ray_session):
     _assert_gone(cfg, pgs_before, shards)
 
 
-@pytest.mark.parametrize("failure", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                     RuntimeError("a kernel's own error")])
-def test_a_local_failure_in_attend_rolls_back_and_says_what_to_change(ray_session, monkeypatch, failure):
+def test_a_local_failure_in_attend_rolls_back_and_says_what_to_change(ray_session, monkeypatch):
     """The client's own work failing mid-step (the merge here; an in-process shard's kernel on a GPU) is not a
     lost shard: the step rolls back with that error and advice that can work, no shard is replaced, and the
-    next step runs exactly on the same shards (the group, whose partials were in flight, is rebuilt)."""
+    next step runs exactly on the same shards (the group, whose partials were in flight, is rebuilt). Other
+    errors than OOM: tests/test_step_run_losses.py."""
     from cpattn.cluster import gateway
+
+    failure = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     cfg = service_config(num_shards=2, num_layers=3, kv_replicas=2, **TIMEOUTS)
     svc = cpattn.start(cfg)
@@ -183,8 +184,7 @@ def test_a_local_failure_in_attend_rolls_back_and_says_what_to_change(ray_sessio
         assert time.monotonic() - t0 < cfg.collective_timeout_s   # not a wire timeout
         message = str(info.value)
         assert "layer 1" in message and type(failure).__name__ in message and "rolled back" in message
-        advice = "max_tokens_per_step" if isinstance(failure, torch.OutOfMemoryError) else "fix the cause"
-        assert advice in message and "replaced" not in message
+        assert "max_tokens_per_step" in message and "replaced" not in message
         assert len(calls) == 2   # not replayed: a replay would fail the same way
         assert info.value.__cause__ is failure
         assert (svc.sequence_length(a), svc.sequence_length(b)) == (9, 2)   # nothing committed

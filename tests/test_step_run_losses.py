@@ -152,3 +152,26 @@ def test_the_public_step_refuses_bad_inputs_before_its_run_sends_anything():
             assert torch.equal(step.attend(layer, q, k, v), 2 * q)
     assert (step._run.state, step.recoveries, step._info.step_id) == ("committed", 0, 101)
     assert step.timings is step._run.timings and step.timings["plan_s"] == 0.25   # one dict, completed in place
+
+
+# This process's own work failing ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cause, advice", [(torch.OutOfMemoryError("CUDA out of memory"), "max_tokens_per_step"),
+                                           (RuntimeError("a kernel's own error"), "fix the cause")])
+def test_a_local_failure_rolls_back_once_without_replay_or_rejoin_and_says_what_to_change(cause, advice):
+    """Not a lost shard: nothing is replayed (it would fail alike, even with two replicas), the coordinator rolls
+    the step back, and the error keeps the cause; the gateway rebuilds its group at the next begin."""
+    from cpattn.cluster.data_plane import LocalWorkError
+
+    local = LocalWorkError(f"merging the shards' partials: {type(cause).__name__}: {cause}")
+    local.__cause__ = cause
+    host = FakeHost(kv_replicas=2, attend=[None, local])
+    run = opened(host)
+    with pytest.raises(ServiceError) as info:
+        attend_all(run)
+    message = str(info.value)
+    assert message.startswith("step 101, layer 1: merging the shards' partials") and advice in message, message
+    assert "rolled back and none of its tokens were committed" in message and info.value.__cause__ is cause
+    assert (run.state, run.ending) == ("rolled_back", "failed_here") and host.open_step is None
+    assert host.names()[-2:] == ["release", "end_step_of"] and "rejoin" not in host.names()
+    assert host.calls[-1] == ("end_step_of", 101, False, True, False)
+    assert [layer for _, layer, _ in host.sent] == [0]   # layer 1 failed in the host, nothing replayed
