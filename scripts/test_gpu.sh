@@ -2,7 +2,8 @@
 # The GPU tests in parts that each finish within one device `run` (under 8 minutes on nvidia-h200-x2,
 # measured 2026-11-30: all four files but FlashInfer's cases took 5:16 together; FlashInfer JIT-compiles
 # for ~100 s on first use, so its cases are a part of their own).
-#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP; the CUDA fp8 decode
+#   bash scripts/test_gpu.sh kernels     # every backend vs the torch reference, merges, DCP; the CUDA fp8 decode;
+#                                        # first steps after a shard start do not compile (kernel warm-up)
 #   bash scripts/test_gpu.sh variants    # the TRITON decode's launch variants, cascade splits (with kernels, the
 #                                        # two no longer fit one 330 s call: cut off at ~60% on 2026-12-02)
 #   bash scripts/test_gpu.sh service     # the service on one GPU, graphed decode
@@ -35,7 +36,7 @@ k() {
 }
 case "$part" in
   kernels) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_backends_gpu.py \
-             tests/gpu/test_cuda_decode_fp8_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
+             tests/gpu/test_cuda_decode_fp8_gpu.py tests/gpu/test_kernel_warmup_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   variants) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_decode_variants_gpu.py \
               tests/gpu/test_prefix_cascade_gpu.py -k "$(k "not FLASHINFER")" ${rest[@]+"${rest[@]}"} ;;
   service) exec "$py" -m pytest -q -p no:cacheprovider -o addopts= -rfEs tests/gpu/test_service_gpu.py \

@@ -56,7 +56,7 @@ ALONE_TESTS = (
 LIGHT_MODULES = {
     "test_cascade_attention.py", "test_code_sizes.py", "test_coordinator_state.py", "test_dcp_single_process.py",
     "test_decode_fold.py", "test_decode_run_plans.py", "test_fp8_kv_cache.py", "test_import_cycles.py",
-    "test_invariants.py", "test_kvstore.py", "test_merge.py", "test_messages.py", "test_page_delta.py",
+    "test_invariants.py", "test_kernel_warmup.py", "test_kvstore.py", "test_merge.py", "test_messages.py", "test_page_delta.py",
     "test_prefix_sharing_kv.py", "test_prefix_sharing_state.py", "test_selector.py", "test_service_placement.py",
     "test_step_inputs.py", "test_step_ledger.py", "test_steady_rows_host.py", "test_torch_backend.py",
     "test_triton_interpret.py", "test_window_rows.py", "test_window_softcap_sinks.py", "test_worked_example.py",

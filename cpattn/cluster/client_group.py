@@ -16,6 +16,7 @@ from cpattn.attention import select_backend, select_prefill_backend
 from cpattn.cluster.client_device import _gpu_uuid, choose_data_plane, open_shared_cache
 from cpattn.cluster.client_graphs import ClientLayerGraphs
 from cpattn.cluster.data_plane import DataPlane, create_group
+from cpattn.cluster.kernel_warmup import warm_up_kernels
 from cpattn.cluster.layer_runner import ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo
 from cpattn.cluster.netbind import bind_address
@@ -64,6 +65,7 @@ class GroupMembership:
                 raise ServiceError(f"could not open shard {rank}'s KV cache on {self.device} by CUDA IPC ({exc}): "
                                    "run the client where the shard's GPU is visible, or set local_shards='off' "
                                    "to reach every shard over the data plane") from exc
+            warm_up_kernels(cfg, backend, prefill, self.device, f"client {self.client_id}")   # once per process
             self.local[rank] = ShardLayerRunner(cfg, backend, caches, self.device, scales, prefill)
             self.local_graphs[rank] = self.local[rank].new_graphs()
         self.remote = [r for r in range(cfg.num_shards) if r not in self.local]

@@ -28,6 +28,7 @@ from cpattn.cluster.fencing import StepFence
 from cpattn.cluster.shard_groups import ShardGroups
 from cpattn.cluster.shard_kv import ShardKVPages
 from cpattn.cluster.shard_runs import LiveRuns, ShardRunMethods
+from cpattn.cluster.kernel_warmup import warm_up_kernels
 from cpattn.cluster.layer_runner import PlannedStep, ShardLayerRunner
 from cpattn.cluster.messages import ShardInfo, ShardStepReport
 from cpattn.cluster.step_planner import ShardStepPlan
@@ -80,6 +81,8 @@ class ShardWorker(ShardKVPages, ShardGroups, ShardRunMethods):
         self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales,
                                        self.prefill_backend)
         self.kernel_block_size = self.runner.kernel_block_size
+        if self.device.type == "cuda":   # kernels compile here, within start_timeout_s, not in a first step
+            warm_up_kernels(config, self.backend, self.prefill_backend, self.device, f"shard {bundle_index}")
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
         self._step_graphs: dict[str, ShardStepGraphs] = {}   # per NCCL group: whole decode steps (shard_graphs)

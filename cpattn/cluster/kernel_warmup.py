@@ -1,0 +1,107 @@
+"""A shard's kernels run once before it serves, on a scratch cache of their own. No Ray.
+
+Why: the first call of a GPU kernel compiles it. Measured on an H200:
+- FlashInfer's JIT took 14 s for decode and 89 s for prefill on a fresh node.
+- FA4 compiles each variant once per process, 3-16 s each.
+Inside a first step, that time counts against collective_timeout_s, and the client sees a hung shard. At start,
+it counts against start_timeout_s, which is there for exactly that kind of wait. vLLM does the same: it runs a
+profile pass before it serves.
+
+What runs: the three kinds of step every service sees, through the same ShardLayerRunner a step uses:
+1. a prefill from empty (causal pieces only);
+2. a chunked prefill (the context pass and the causal pieces, merged);
+3. a decode (the decode backend).
+Each runs on one layer of every distinct (window, soft cap) pair, since a kernel variant is compiled per pair.
+The scratch cache is a few pages, shared by those layers, and is dropped on return: the shard's own cache and its
+fp8 scales are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from cpattn.cluster.layer_runner import ShardLayerRunner
+from cpattn.cluster.step_planner import StepRequest, plan_step
+from cpattn.config import ServiceConfig
+from cpattn.errors import ServiceError
+from cpattn.kvstore.fp8 import fp8_dtype, initial_page_scales, is_fp8
+from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
+
+logger = logging.getLogger("cpattn")
+
+_warmed: set[tuple] = set()
+"""What this process has warmed: (backend, prefill backend, device, kernel shapes). A client that rejoins, or opens
+a second shard on the same GPU, does not warm it again."""
+
+
+def warm_up_kernels(config: ServiceConfig, backend_cls, prefill_backend_cls, device: torch.device,
+                    who: str = "shard") -> float:
+    """Runs the kernels once on ``device``. Returns the seconds taken, or 0.0 when this process already warmed
+    them. A kernel that fails, or that gives non-finite output on finite input, raises ServiceError naming the
+    backend and the step: the service then fails to start, instead of failing its first step."""
+    key = (backend_cls, prefill_backend_cls, str(device), config.num_q_heads, config.num_kv_heads,
+           config.head_size, config.dtype, config.block_size, config.kv_cache_format, config.kv_scales is None,
+           tuple(config.layer_windows()), tuple(config.layer_soft_caps()))
+    if key in _warmed:
+        return 0.0
+    t0 = time.perf_counter()
+    chunk = 2 * config.block_size   # tokens per prefill: whole pages, and a causal part across them
+    runner, allocator = _scratch(config, backend_cls, prefill_backend_cls, device, 2 * chunk + 1)
+    rows, length = allocator.add_rows(), 0
+    gen = torch.Generator().manual_seed(0)
+    for step_id, (kind, n) in enumerate((("prefill", chunk), ("chunked prefill", chunk), ("decode", 1)), 1):
+        allocator.grow([(rows, length + n)])
+        plan, = plan_step(allocator, [StepRequest(rows, length, n)], step_id, config.pcp_enabled,
+                          config.pcp_min_tokens, row_window=config.row_window())
+        planned = runner.plan(plan)
+        for layer in _one_layer_per_variant(config):
+            q, k, v = (torch.randn(n, h, config.head_size, generator=gen).to(device, config.torch_dtype)
+                       for h in (config.num_q_heads, config.num_kv_heads, config.num_kv_heads))
+            try:
+                out, lse = runner.run_layer(planned, layer, q, k, v)
+                finite = bool(out.isfinite().all()) and not bool(lse.isnan().any())
+            except Exception as exc:
+                raise ServiceError(f"{who}: the {_name(runner, kind)} kernel failed its first run on {device} ({kind}, "
+                                   f"layer {layer}): {type(exc).__name__}: {exc}") from exc
+            if not finite:
+                raise ServiceError(f"{who}: the {_name(runner, kind)} kernel's first run on {device} ({kind}, layer "
+                                   f"{layer}) gave non-finite output on finite input: choose another backend")
+        length += n
+    _warmed.add(key)
+    seconds = time.perf_counter() - t0
+    logger.info("%s: kernels warmed on %s in %.1f s (%s)", who, device, seconds, _name(runner, "decode"))
+    return seconds
+
+
+def _scratch(config: ServiceConfig, backend_cls, prefill_backend_cls, device: torch.device, tokens: int
+             ) -> tuple[ShardLayerRunner, ShardedKVAllocator]:
+    """A runner over one cache of just enough pages for ``tokens``, which every layer shares."""
+    blocks = -(-tokens // config.block_size) + 1
+    scratch = config.model_copy(update=dict(num_shards=1, kv_replicas=1, dcp_interleave=1,
+                                            num_blocks_per_shard=blocks))
+    kv_format = config.kv_cache_format
+    shape = backend_cls.get_kv_cache_shape(blocks, config.block_size, config.num_kv_heads, config.head_size)
+    dtype = fp8_dtype(kv_format) if is_fp8(kv_format) else config.torch_dtype
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    scales = None
+    if is_fp8(kv_format):
+        static = None if config.kv_scales is None else config.kv_scales[0]
+        scales = [initial_page_scales(blocks, config.num_kv_heads, static, device)] * config.num_layers
+    runner = ShardLayerRunner(scratch, backend_cls, [cache] * config.num_layers, device, scales,
+                              prefill_backend_cls)
+    return runner, ShardedKVAllocator(1, blocks, config.block_size, 1, max_rows=1)
+
+
+def _one_layer_per_variant(config: ServiceConfig) -> list[int]:
+    first: dict[tuple, int] = {}
+    for layer, variant in enumerate(zip(config.layer_windows(), config.layer_soft_caps())):
+        first.setdefault(variant, layer)
+    return sorted(first.values())
+
+
+def _name(runner: ShardLayerRunner, kind: str) -> str:
+    backend = runner.prefill_backend if kind != "decode" else runner.backend
+    return backend.get_name()
