@@ -1,5 +1,5 @@
-"""A shard's kernels run once at start on a scratch cache (cluster/kernel_warmup.py): every kind of step, one layer
-of each (window, soft cap) variant, each prefill on the prefill backend; once per process; a kernel that fails or
+"""A shard's kernels run once at start on a scratch cache (cluster/kernel_warmup.py): every kind of step, short and
+long, one layer of each (window, soft cap) variant, each prefill on the prefill backend; once per process; a kernel that fails or
 gives non-finite output fails the start with the backend, the step and the layer named. (GPU: the first step
 after a start does not compile, tests/gpu/test_kernel_warmup_gpu.py.)"""
 
@@ -75,14 +75,15 @@ def test_every_kind_of_step_runs_once_per_layer_variant_prefills_on_the_prefill_
     cfg = _config(sliding_window=[None, 8, 8, 8, None], logits_soft_cap=[None, None, 30.0, 30.0, None])
     seconds = warm_up_kernels(cfg, DecodeBackend, PrefillBackend, torch.device("cpu"))
     assert seconds > 0
-    chunk = 2 * cfg.block_size
-    by_step = [CALLS[:3], CALLS[3:9], CALLS[9:]]
-    assert by_step[0] == [("PREFILL", "causal_pieces", layer, chunk) for layer in (0, 1, 2)]   # from empty
-    assert by_step[1] == [("PREFILL", kind, layer, chunk) for layer in (0, 1, 2)                # chunked
-                          for kind in ("forward", "new_tokens")]
-    assert by_step[2] == [("DECODE", "forward", layer, 1) for layer in (0, 1, 2)]               # decode
+    short, long = 2 * cfg.block_size, kernel_warmup.LONG_CHUNK
+    layers = (0, 1, 2)
+    expected = ([("PREFILL", "causal_pieces", layer, t) for t in (short, long) for layer in layers]   # from empty
+                + [("PREFILL", kind, layer, t) for t in (short, long) for layer in layers          # chunked
+                   for kind in ("forward", "new_tokens")]
+                + [("DECODE", "forward", layer, t) for t in (1, 2) for layer in layers])           # one, two
+    assert CALLS == expected
     # Once per process for the same kernels; another shape is warmed again.
-    assert warm_up_kernels(cfg, DecodeBackend, PrefillBackend, torch.device("cpu")) == 0.0 and len(CALLS) == 12
+    assert warm_up_kernels(cfg, DecodeBackend, PrefillBackend, torch.device("cpu")) == 0.0 and len(CALLS) == 24
     assert warm_up_kernels(cfg.model_copy(update=dict(head_size=16)), DecodeBackend, PrefillBackend,
                            torch.device("cpu")) > 0
 
@@ -96,11 +97,11 @@ def test_fp8_caches_with_dynamic_and_static_scales_warm_up(kv_cache_dtype, kv_sc
 
 def test_one_backend_serves_both_kinds_when_no_prefill_backend_is_set():
     warm_up_kernels(_config(), DecodeBackend, None, torch.device("cpu"))
-    assert {c[0] for c in CALLS} == {"DECODE"} and len(CALLS) == 4
+    assert {c[0] for c in CALLS} == {"DECODE"} and len(CALLS) == 8
 
 
 @pytest.mark.parametrize("impl, match", [
-    (FailingImpl, r"shard 2: the WARM_FAIL kernel failed its first run on cpu \(chunked prefill, layer 0\): "
+    (FailingImpl, r"shard 2: the WARM_FAIL kernel's first run on cpu \(chunked prefill, layer 0\) failed: "
                   r"RuntimeError: no kernel image"),
     (NanImpl, r"shard 2: the WARM_FAIL kernel's first run on cpu \(chunked prefill, layer 0\) gave non-finite")])
 def test_a_kernel_that_fails_or_gives_nan_fails_the_start_naming_backend_step_and_layer(impl, match):

@@ -10,8 +10,11 @@ profile pass before it serves.
 What runs: the three kinds of step every service sees, through the same ShardLayerRunner a step uses:
 1. a prefill from empty (causal pieces only);
 2. a chunked prefill (the context pass and the causal pieces, merged);
-3. a decode (the decode backend).
-Each runs on one layer of every distinct (window, soft cap) pair, since a kernel variant is compiled per pair.
+3. a decode (the decode backend), of one sequence and of two.
+Each prefill runs short (two pages) and long (LONG_CHUNK tokens): kernels choose tiles, query groups and splits
+by shape, and each choice compiles once (on an H100, a warm-up of short shapes alone left FA4 2.3 s and TRITON
+3.1 s of compiling in the first 512-token steps). Each runs on one layer of every distinct (window, soft cap)
+pair, since a kernel variant is compiled per pair.
 The scratch cache is a few pages, shared by those layers, and is dropped on return: the shard's own cache and its
 fp8 scales are never touched.
 """
@@ -32,6 +35,8 @@ from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 
 logger = logging.getLogger("cpattn")
 
+LONG_CHUNK = 512   # tokens of the long prefills: several kernel tiles, and query groups of a context pass at their largest
+
 _warmed: set[tuple] = set()
 """What this process has warmed: (backend, prefill backend, device, kernel shapes). A client that rejoins, or opens
 a second shard on the same GPU, does not warm it again."""
@@ -48,32 +53,48 @@ def warm_up_kernels(config: ServiceConfig, backend_cls, prefill_backend_cls, dev
     if key in _warmed:
         return 0.0
     t0 = time.perf_counter()
-    chunk = 2 * config.block_size   # tokens per prefill: whole pages, and a causal part across them
-    runner, allocator = _scratch(config, backend_cls, prefill_backend_cls, device, 2 * chunk + 1)
-    rows, length = allocator.add_rows(), 0
+    short, long = 2 * config.block_size, max(LONG_CHUNK, 2 * config.block_size)
+    runner, allocator = _scratch(config, backend_cls, prefill_backend_cls, device, 2 * short + 2 * long + 2)
+    rows = [allocator.add_rows(), allocator.add_rows()]
+    lengths = [0, 0]
     gen = torch.Generator().manual_seed(0)
-    for step_id, (kind, n) in enumerate((("prefill", chunk), ("chunked prefill", chunk), ("decode", 1)), 1):
-        allocator.grow([(rows, length + n)])
-        plan, = plan_step(allocator, [StepRequest(rows, length, n)], step_id, config.pcp_enabled,
-                          config.pcp_min_tokens, row_window=config.row_window())
-        planned = runner.plan(plan)
-        for layer in _one_layer_per_variant(config):
-            q, k, v = (torch.randn(n, h, config.head_size, generator=gen).to(device, config.torch_dtype)
-                       for h in (config.num_q_heads, config.num_kv_heads, config.num_kv_heads))
-            try:
-                out, lse = runner.run_layer(planned, layer, q, k, v)
-                finite = bool(out.isfinite().all()) and not bool(lse.isnan().any())
-            except Exception as exc:
-                raise ServiceError(f"{who}: the {_name(runner, kind)} kernel failed its first run on {device} ({kind}, "
-                                   f"layer {layer}): {type(exc).__name__}: {exc}") from exc
-            if not finite:
-                raise ServiceError(f"{who}: the {_name(runner, kind)} kernel's first run on {device} ({kind}, layer "
-                                   f"{layer}) gave non-finite output on finite input: choose another backend")
-        length += n
+    for step_id, (kind, request) in enumerate(_steps(short, long), 1):
+        allocator.grow([(rows[s], lengths[s] + n) for s, n in request.items()])
+        plan, = plan_step(allocator, [StepRequest(rows[s], lengths[s], n) for s, n in request.items()], step_id,
+                          config.pcp_enabled, config.pcp_min_tokens, row_window=config.row_window())
+        _run_layers(runner, runner.plan(plan), config, sum(request.values()), gen, f"{who}: the "
+                    f"{_name(runner, kind)} kernel's first run on {device} ({kind}")
+        for s, n in request.items():
+            lengths[s] += n
     _warmed.add(key)
     seconds = time.perf_counter() - t0
     logger.info("%s: kernels warmed on %s in %.1f s (%s)", who, device, seconds, _name(runner, "decode"))
     return seconds
+
+
+def _run_layers(runner: ShardLayerRunner, planned, config: ServiceConfig, t: int, gen: torch.Generator,
+                where: str) -> None:
+    """One layer of each variant on random q/k/v of ``t`` tokens; a failure or a non-finite output is a
+    ServiceError that starts with ``where``."""
+    device = runner.device
+    for layer in _one_layer_per_variant(config):
+        q, k, v = (torch.randn(t, h, config.head_size, generator=gen).to(device, config.torch_dtype)
+                   for h in (config.num_q_heads, config.num_kv_heads, config.num_kv_heads))
+        try:
+            out, lse = runner.run_layer(planned, layer, q, k, v)
+            finite = bool(out.isfinite().all()) and not bool(lse.isnan().any())
+        except Exception as exc:
+            raise ServiceError(f"{where}, layer {layer}) failed: {type(exc).__name__}: {exc}") from exc
+        if not finite:
+            raise ServiceError(f"{where}, layer {layer}) gave non-finite output on finite input: choose another "
+                               "backend")
+
+
+def _steps(short: int, long: int) -> list[tuple[str, dict[int, int]]]:
+    """(kind, {sequence: new tokens}) in order. Kernels pick tile sizes, query groups and splits from a step's
+    shape, and each choice compiles on its own, so every kind runs short and long (two sequences)."""
+    return [("prefill", {0: short}), ("prefill", {1: long}), ("chunked prefill", {0: short}),
+            ("chunked prefill", {1: long}), ("decode", {0: 1}), ("decode", {0: 1, 1: 1})]
 
 
 def _scratch(config: ServiceConfig, backend_cls, prefill_backend_cls, device: torch.device, tokens: int
@@ -92,7 +113,7 @@ def _scratch(config: ServiceConfig, backend_cls, prefill_backend_cls, device: to
         scales = [initial_page_scales(blocks, config.num_kv_heads, static, device)] * config.num_layers
     runner = ShardLayerRunner(scratch, backend_cls, [cache] * config.num_layers, device, scales,
                               prefill_backend_cls)
-    return runner, ShardedKVAllocator(1, blocks, config.block_size, 1, max_rows=1)
+    return runner, ShardedKVAllocator(1, blocks, config.block_size, 1, max_rows=2)
 
 
 def _one_layer_per_variant(config: ServiceConfig) -> list[int]:

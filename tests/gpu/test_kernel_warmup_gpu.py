@@ -1,7 +1,9 @@
 """After a shard's start, its first steps do not compile (cluster/kernel_warmup.py): in a fresh process per backend,
 a shard (ShardWorker, as an actor builds it) is constructed, then a prefill, a chunked prefill and a decode are
-timed, against the same in a fresh process whose shard skipped the warm-up. Prints both; the claim checked is that
-every first step after a warm-up takes under FIRST_STEP_BOUND_S."""
+timed, after the same in a fresh process whose shard skipped the warm-up (run first, so its numbers include the
+compiling). Prints both; the claim checked is that every first step after a warm-up takes under
+FIRST_STEP_BOUND_S. 2026-12-07, H100, warm-up of short shapes only: FA4's first 512-token prefill still took 2.3 s
+and TRITON's chunked prefill 3.1 s; hence the warm-up's long steps."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ svc = InProcessService(cfg)
 torch.cuda.synchronize()
 times = {"start_s": time.perf_counter() - t0}
 a = svc.add()
-for kind, n in (("prefill", 512), ("chunked", 512), ("decode", 1)):
+for kind, n in (("prefill", 768), ("chunked", 768), ("decode", 1)):   # not the warm-up's own shapes
     layers = [tuple(torch.randn(n, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
               for _ in range(cfg.num_layers)]
     t0 = time.perf_counter()
@@ -60,8 +62,8 @@ def _first_steps(backend: str, warm: bool) -> dict:
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASH_ATTN", "FLASHINFER"])
 def test_first_steps_after_a_start_do_not_compile(backend):
+    cold = _first_steps(backend, warm=False)   # first: what compiles lands in on-disk caches (Triton, FlashInfer)
     warmed = _first_steps(backend, warm=True)
-    cold = _first_steps(backend, warm=False)
     print(f"\n{backend}: warmed {warmed}\n{backend}: without warm-up {cold}")
     slow = {k: v for k, v in warmed.items() if k != "start_s" and v > FIRST_STEP_BOUND_S}
     assert not slow, f"{backend}: first steps after the warm-up still took {slow} (start {warmed['start_s']:.1f} s)"
