@@ -13,7 +13,7 @@ import ray
 import torch
 
 import cpattn
-from cpattn.errors import CapacityError, IncompleteStepError, InvalidRequestError
+from cpattn.errors import CapacityError, IncompleteStepError, InvalidRequestError, ServiceError
 from conftest import service_config
 from service_oracle import Oracle, run_step, tolerance
 
@@ -250,3 +250,36 @@ def test_capacity_error_names_shard_needed_free_and_changes_nothing(env):
     assert svc.sequence_length(c) == 0
     prove_unchanged(env, before)
     svc.free(c)
+
+
+def test_a_local_failure_in_attend_rolls_back_and_says_what_to_change(env, monkeypatch):
+    """The client's own work failing mid-step (the merge here; an in-process shard's kernel on a GPU) is not a
+    lost shard: the step rolls back with that error and advice that can work, no shard is replaced, and the
+    next step runs exactly on the same shards (the group, whose partials were in flight, is rebuilt). It was a
+    WireError: "no shard was lost: run the step again". Other errors, and no replay with two replicas:
+    tests/test_step_run_losses.py."""
+    from cpattn.cluster import gateway
+
+    svc, oracle, a, b = env
+    failure = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    lengths, epoch = (svc.sequence_length(a), svc.sequence_length(b)), svc.gateway.epoch
+    real_merge, calls = gateway.merge_rows, []
+
+    def failing_merge(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:   # layer 1: layer 0's outputs were handed out, its KV is in the step
+            raise failure
+        return real_merge(*args, **kwargs)
+
+    monkeypatch.setattr(gateway, "merge_rows", failing_merge)
+    with pytest.raises(ServiceError) as info:
+        run_step(svc, oracle, {a: 1, b: 3})
+    message = str(info.value)
+    assert "layer 1" in message and "OutOfMemoryError" in message and "rolled back" in message, message
+    assert "max_tokens_per_step" in message and "replaced" not in message and "did not finish" not in message
+    assert info.value.__cause__ is failure
+    assert (svc.sequence_length(a), svc.sequence_length(b)) == lengths   # nothing committed
+    monkeypatch.setattr(gateway, "merge_rows", real_merge)
+    run_step(svc, oracle, {a: 1, b: 3})
+    run_step(svc, oracle, {a: 1, b: 1})
+    assert svc.gateway.epoch == epoch   # no shard was replaced
