@@ -150,3 +150,15 @@ def test_hung_shard_surfaces_as_typed_error_not_a_hang(ray_session):
     finally:
         svc.shutdown()
     _assert_gone(cfg, pgs_before, shards)
+
+
+def test_shards_that_do_not_start_in_time_are_a_service_error_and_leave_nothing(ray_session):
+    """A shard start slower than start_timeout_s (a GPU shard compiling its kernels, a slow node) surfaced as a raw
+    RayTaskError(GetTimeoutError) with the coordinator's traceback; now a ServiceError naming the setting to raise.
+    One second is less than a CPU shard's process start (imports alone take seconds)."""
+    pgs_before = _placement_groups()
+    cfg = service_config(num_shards=1, start_timeout_s=1.0, **TIMEOUTS)
+    with pytest.raises(ServiceError, match=r"the shards did not start within start_timeout_s=1s: raise "
+                                           r"start_timeout_s, or see what they wait for in `ray status`"):
+        cpattn.start(cfg)
+    _assert_gone(cfg, pgs_before, [])

@@ -94,3 +94,11 @@ def test_config_errors_name_field_and_value(field, value, match):
     with pytest.raises(ConfigError, match=match):
         cpattn.ServiceConfig(**{field: value})
     assert issubclass(ConfigError, ValueError)
+
+
+def test_a_start_timeout_of_gpu_shards_names_their_kernel_compiling():
+    from cpattn.cluster.shard_set import _starting_gpu_note
+
+    assert _starting_gpu_note(cpattn.ServiceConfig(num_gpus_per_shard=0)) == ""
+    note = _starting_gpu_note(cpattn.ServiceConfig(num_gpus_per_shard=1, device="cuda"))
+    assert "compiles its kernels while it starts" in note and "FlashInfer's JIT" in note

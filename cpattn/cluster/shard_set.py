@@ -127,6 +127,10 @@ class ShardSet:
                 raise ServiceError(f"a shard failed to start: {exc}") from exc
             except ray.exceptions.RayActorError as exc:
                 raise ServiceError(f"a shard failed to start: {creation_error(exc)}") from exc
+            except ray.exceptions.GetTimeoutError:   # (was a raw RayTaskError(GetTimeoutError) with a traceback)
+                raise ServiceError(f"the shards did not start within start_timeout_s={cfg.start_timeout_s:g}s"
+                                   f"{_starting_gpu_note(cfg)}: raise start_timeout_s, or see what they wait for in "
+                                   "`ray status` and the shards' logs") from None
             ranks = assign_ranks([ShardLocation(i.bundle_index, i.node_ip, i.node_id, tuple(i.gpu_ids)) for i in infos])
             by_rank = sorted(range(len(handles)), key=lambda i: ranks[i])
             self.handles = [handles[i] for i in by_rank]
@@ -291,3 +295,10 @@ class ShardSet:
             except Exception:
                 pass
             self._pg = None
+
+
+def _starting_gpu_note(cfg: ServiceConfig) -> str:
+    if cfg.num_gpus_per_shard <= 0:
+        return ""
+    return (" (a GPU shard compiles its kernels while it starts, cluster/kernel_warmup.py: FlashInfer's JIT takes about a "
+            "minute per prefill variant on a node that never ran it)")
