@@ -99,6 +99,11 @@ class Background:
     def registered(self) -> set[str]:
         return set(self._registered)
 
+    def untimed(self) -> set[str]:
+        """The modules whose scenario asserts no time bound (conftest.py runs their tests late, so that the
+        scenario has had the suite so far to finish beside it)."""
+        return {name for name, s in self._registered.items() if not s.time_bounds}
+
     def start(self, modules: list[str]) -> list[str]:
         """Start the registered scenarios of ``modules`` in the background, in that order; returns those started."""
         chosen = [self._registered[m] for m in modules if m in self._registered and not self._registered[m].done.is_set()]
@@ -174,5 +179,6 @@ def communicate(proc, timeout_s: float, aborted: threading.Event | None) -> tupl
 
 # The session's scenarios (test modules register at import; conftest.py starts, waits and aborts).
 SESSION = Background()
-register, registered, start, running = SESSION.register, SESSION.registered, SESSION.start, SESSION.running
+register, registered, untimed = SESSION.register, SESSION.registered, SESSION.untimed
+start, running = SESSION.start, SESSION.running
 wait_all, result, abort_and_join, summary = SESSION.wait_all, SESSION.result, SESSION.abort_and_join, SESSION.summary

@@ -48,11 +48,14 @@ def _in_xdist(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     """In xdist workers: modules in the order of suite_lanes.module_order (tests keep their order in a module).
     In one process with background scenarios to run (tests/background_fixtures.py): the modules with an alone
-    test after the others, so that the scenarios overlap tests without time bounds of their own."""
+    test after the others, so that the scenarios overlap tests without time bounds of their own; before those, the
+    modules whose scenario has no time bound, so that it has the suite so far to run in (not the first minute)."""
     if getattr(config, "workerinput", None) is None:
         if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
             has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
-            items[:] = sorted(items, key=lambda i: _module(i) in has_alone)   # stable: module order kept otherwise
+            untimed = background_fixtures.untimed()
+            # stable: module order kept otherwise
+            items[:] = sorted(items, key=lambda i: (_module(i) in has_alone, _module(i) in untimed))
             config.stash[_AFTER_BACKGROUND] = has_alone
         return
     by_module: dict[str, list] = {}

@@ -1,32 +1,84 @@
 """The benchmarks run as printed: ``cp_scaling.py --smoke`` end to end on the CPU, so a change that breaks
-the benchmark (as max_tokens_per_step once did) fails the suite instead of the next GPU session."""
+the benchmark (as max_tokens_per_step once did) fails the suite instead of the next GPU session.
+
+Every ``--smoke`` run is a process of its own that asserts no time bound, so they all run one after another as this
+module's background scenario (tests/background_fixtures.py, ``time_bounds=False``): from the session's start,
+beside other tests, instead of ~3 minutes of the suite waiting on them one at a time. Each test asserts on its run's
+JSON once the scenario has finished."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import background_fixtures
 import cpattn
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKES = {"cp_scaling.py": 600, "shared_prefix.py": 600, "profile_begin.py": 600, "op_cost.py": 300,
+          "plan_cost.py": 300, "shared_prefix_host.py": 300, "shared_prefix_begin.py": 300, "steady_rows_cost.py": 300}
+"""Each benchmark's --smoke run and its timeout (s)."""
+NEEDS_TRITON = {"steady_rows_cost.py"}   # TRITON's builder under the Triton interpreter
 
 
-def _smoke_rows(tmp_path: Path, script: str, timeout_s: int = 600) -> list[dict]:
-    """``python benchmarks/<script> --smoke --json ...`` as printed: exits 0; the rows of the JSON it wrote."""
-    out = tmp_path / f"{Path(script).stem}.json"
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())["rows"]
+def _run_smokes(scenario) -> dict:
+    """``python benchmarks/<script> --smoke --json ...`` for every script, as printed: {script: (exit status, the
+    output's tails, the JSON file)}; the files live in ``["dir"]`` until the module ends."""
+    out = Path(tempfile.mkdtemp(prefix="cpattn-smokes-"))
+    runs = {"dir": out}
+    try:
+        for script, timeout_s in SMOKES.items():
+            if script in NEEDS_TRITON and importlib.util.find_spec("triton") is None:
+                continue
+            json_path = out / f"{Path(script).stem}.json"
+            proc = subprocess.Popen([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(json_path)],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                stdout, stderr = background_fixtures.communicate(proc, timeout_s, scenario.aborted)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+                stderr += f"\n(killed after its {timeout_s} s timeout)"
+            runs[script] = (proc.returncode, stdout[-3000:] + stderr[-3000:], json_path)
+        return runs
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
-def test_cp_scaling_smoke_runs_every_case(tmp_path):
-    rows = _smoke_rows(tmp_path, "cp_scaling.py")
+background_fixtures.register(__file__, _run_smokes, time_bounds=False)
+
+
+@pytest.fixture(scope="module")
+def smokes():
+    finished = background_fixtures.result(__file__)
+    try:
+        yield finished
+    finally:
+        shutil.rmtree(finished["dir"], ignore_errors=True)
+
+
+def _smoke_json(smokes: dict, script: str) -> dict:
+    """The JSON ``benchmarks/<script> --smoke`` wrote, once it exited 0."""
+    code, tails, json_path = smokes[script]
+    assert code == 0, tails
+    return json.loads(json_path.read_text())
+
+
+def _smoke_rows(smokes: dict, script: str) -> list[dict]:
+    return _smoke_json(smokes, script)["rows"]
+
+
+def test_cp_scaling_smoke_runs_every_case(smokes):
+    rows = _smoke_rows(smokes, "cp_scaling.py")
     got = {(r["case"], r["gpus"]) for r in rows}
     cases = {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "chunked_smoke", "decode_fp8_w64_smoke",
              "chunked_fp8_w64_smoke", "chunked_alt64_smoke"}
@@ -47,8 +99,8 @@ def test_cp_scaling_smoke_runs_every_case(tmp_path):
             assert r["decode_run_extend"] is True, r
 
 
-def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
-    rows = {r["way"]: r for r in _smoke_rows(tmp_path, "shared_prefix.py")}
+def test_shared_prefix_smoke_forks_hold_one_copy(smokes):
+    rows = {r["way"]: r for r in _smoke_rows(smokes, "shared_prefix.py")}
     assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == rows["separate"]["batch"] == 4
     # 250 tokens over 2 shards (125 each) in pages of 4: 32 + 32 pages per copy of the document.
     assert rows["one"]["kv_blocks"] == rows["shared"]["kv_blocks"] == 64
@@ -56,9 +108,9 @@ def test_shared_prefix_smoke_forks_hold_one_copy(tmp_path):
     assert all(r["step_ms"] > 0 and r["backend"] == "TORCH" for r in rows.values())
 
 
-def test_plan_cost_smoke_measures_every_part(tmp_path):
+def test_plan_cost_smoke_measures_every_part(smokes):
     """benchmarks/plan_cost.py (the coordinator's planning and its messages, no Ray) runs as printed."""
-    rows = {r["case"]: r for r in _smoke_rows(tmp_path, "plan_cost.py", timeout_s=300)}
+    rows = {r["case"]: r for r in _smoke_rows(smokes, "plan_cost.py")}
     assert set(rows) == {"decode_smoke", "decode_b4_smoke", "prefill_smoke", "decode_b4_w_smoke"}
     # The same runs with a window on every layer: the commits gave back the pages before it.
     assert rows["decode_b4_w_smoke"]["blocks_used"] < rows["decode_b4_smoke"]["blocks_used"] / 4
@@ -67,10 +119,10 @@ def test_plan_cost_smoke_measures_every_part(tmp_path):
         assert r["plan_ms_per_step"] > 0 and r["messages_ms_per_step"] > 0 and r["kb_sent"] > 0, r
 
 
-def test_steady_rows_cost_smoke_times_every_part(tmp_path):
+def test_steady_rows_cost_smoke_times_every_part(smokes):
     """benchmarks/steady_rows_cost.py (SteadyRun.of on the CPU, TRITON's builder under the Triton interpreter)."""
     pytest.importorskip("triton")
-    rows = {r["case"]: r for r in _smoke_rows(tmp_path, "steady_rows_cost.py", timeout_s=300)}
+    rows = {r["case"]: r for r in _smoke_rows(smokes, "steady_rows_cost.py")}
     assert set(rows) == {"b4_smoke", "b4_fp8_w64_smoke"}
     for r in rows.values():
         assert 0 < r["of_ms_median"] <= r["of_ms_max"] and r["keys_ms"] > 0 and r["pack_ms"] > 0, r
@@ -78,14 +130,11 @@ def test_steady_rows_cost_smoke_times_every_part(tmp_path):
     assert rows["b4_fp8_w64_smoke"]["bytes_per_step"] > rows["b4_smoke"]["bytes_per_step"]
 
 
-def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
+def test_shared_prefix_host_smoke_splits_every_fork_step(smokes):
     """benchmarks/shared_prefix_host.py (a decode step's host work for forks vs copies, no Ray, no GPU) runs as
     printed; every step of the forks' runs takes the cascade split, no step of the others does."""
-    out = tmp_path / "shared_prefix_host.json"
-    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_host.py", "--smoke", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    result = _smoke_json(smokes, "shared_prefix_host.py")
+    rows = {r["way"]: r for r in result["rows"]}
     assert set(rows) == {"one", "shared", "separate"} and rows["shared"]["batch"] == 4
     assert rows["shared"]["split_steps"] == 3 * rows["shared"]["steps_per_run"]   # every step on each of 3 shards
     assert rows["one"]["split_steps"] == rows["separate"]["split_steps"] == 0
@@ -93,15 +142,12 @@ def test_shared_prefix_host_smoke_splits_every_fork_step(tmp_path):
         assert r["coordinator_ms_per_step"] > 0 and r["shard_ms_per_step"] > 0, r
 
 
-def test_shared_prefix_begin_smoke_opens_a_fork_step_with_one_questions_device_ops(tmp_path):
+def test_shared_prefix_begin_smoke_opens_a_fork_step_with_one_questions_device_ops(smokes):
     """benchmarks/shared_prefix_begin.py (a decode run's step opened on the client, forks vs one question, no GPU)
     runs as printed; forks' steps move and launch no more on the device than one question's (issue 24: the prefix
     pass is planned once per prefix), a run's first step included once the prefix was planned by a run before."""
-    out = tmp_path / "shared_prefix_begin.json"
-    proc = subprocess.run([sys.executable, "benchmarks/shared_prefix_begin.py", "--smoke", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    result = _smoke_json(smokes, "shared_prefix_begin.py")
+    rows = {r["way"]: r for r in result["rows"]}
     assert set(rows) == {"one", "shared"} and rows["shared"]["batch"] == 4
     assert rows["shared"]["device_ops"] == rows["one"]["device_ops"] > 0
     assert rows["shared"]["first_device_ops"] == rows["one"]["first_device_ops"] > 0
@@ -130,16 +176,12 @@ def test_cp_scaling_sizes_every_gpu_case_within_its_budget():
     assert cs._blocks_per_shard(prefill, 1, 40) == cs._blocks_per_shard(prefill, 1, 10)   # freed every step
 
 
-def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
+def test_profile_begin_smoke_splits_opening_by_phase(smokes):
     """benchmarks/profile_begin.py (issue 18: where opening a decode step spends the caller's time) runs as
     printed: the service's measured steps are whole segments of one extended run (none asks the coordinator; each
     segment asks for its extension), their phases add up to begin_s, and the client part times a run's later steps
     without Ray."""
-    out = tmp_path / "profile_begin.json"
-    proc = subprocess.run([sys.executable, "benchmarks/profile_begin.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _smoke_json(smokes, "profile_begin.py")
     cases = {"decode_smoke", "decode_b4_smoke", "decode_fp8_w64_smoke"}
     assert {r["case"] for r in result["service"]} == {r["case"] for r in result["client"]} == cases
     for r in result["service"]:
@@ -161,14 +203,11 @@ def test_profile_begin_smoke_splits_opening_by_phase(tmp_path):
         assert r["later_step_ms"] > 0 and r["run_start_ms"] > 0 and r["cprofile_later"] and r["backend"] == "TORCH", r
 
 
-def test_op_cost_smoke_times_every_call_at_every_stage(tmp_path):
+def test_op_cost_smoke_times_every_call_at_every_stage(smokes):
     """benchmarks/op_cost.py (issue 18: what a small torch call costs the client's thread on an H200 host) runs as
     printed: every call timed before Ray, while the GPU is busy, with Ray, with the service up and inside a run."""
-    out = tmp_path / "op_cost.json"
-    proc = subprocess.run([sys.executable, "benchmarks/op_cost.py", "--smoke", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["us_per_call"]
+    result = _smoke_json(smokes, "op_cost.py")
+    rows = result["us_per_call"]
     assert list(rows) == ["bare", "busy", "ray", "service", "run"]
     assert {"q|k|v: 3 copy_", "q|k|v: cat", "out clone"} <= set(rows["bare"]), rows
     assert all(set(r) == set(rows["bare"]) and all(0 < us < 1e5 for us in r.values()) for r in rows.values()), rows
