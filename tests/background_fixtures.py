@@ -26,7 +26,9 @@ driver early.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,6 +159,17 @@ class Background:
         """One line per scenario that ran in the background, for the terminal summary (durations show ~0 s)."""
         return [f"{s.module}: scenario ran in the background for {s.took_s:.1f} s" for s in self._registered.values()
                 if s.in_background and s.took_s is not None]
+
+
+@contextlib.contextmanager
+def result_in_dir(module_file: str):
+    """A module fixture's body for a scenario whose result is a dict with its files in ``["dir"]``: the result,
+    then the directory removed."""
+    finished = result(module_file)
+    try:
+        yield finished
+    finally:
+        shutil.rmtree(finished["dir"], ignore_errors=True)
 
 
 def communicate(proc, timeout_s: float, aborted: threading.Event | None) -> tuple[str, str]:

@@ -59,11 +59,8 @@ background_fixtures.register(__file__, _run_smokes, time_bounds=False)
 
 @pytest.fixture(scope="module")
 def smokes():
-    finished = background_fixtures.result(__file__)
-    try:
+    with background_fixtures.result_in_dir(__file__) as finished:
         yield finished
-    finally:
-        shutil.rmtree(finished["dir"], ignore_errors=True)
 
 
 def _smoke_json(smokes: dict, script: str) -> dict:

@@ -87,11 +87,8 @@ background_fixtures.register(__file__, _run_jobs, time_bounds=False)
 
 @pytest.fixture(scope="module")
 def jobs():
-    finished = background_fixtures.result(__file__)
-    try:
+    with background_fixtures.result_in_dir(__file__) as finished:
         yield finished
-    finally:
-        shutil.rmtree(finished["dir"], ignore_errors=True)
 
 
 def _finished(jobs, name: str):
