@@ -120,6 +120,19 @@ def test_an_address_error_says_where_the_address_came_from(tmp_path):
     assert _address_origin(typed, "Ray address 'also-bad' is not host:port") == ""
 
 
+def test_status_names_the_kernel_warm_up_of_gpu_shards():
+    from cpattn.launch.status import format_status
+
+    config = {"name": "gpu", "namespace": "ns", "dtype": "bfloat16", "block_size": 16, "dcp_interleave": 1,
+              "placement_strategy": "PACK", "num_layers": 32, "num_q_heads": 32, "num_kv_heads": 8, "head_size": 128}
+    shards = [{"rank": r, "node_id": "n1", "warmup_s": s, "backend": "FLASHINFER"} for r, s in ((0, 71.25), (1, 3.5))]
+    rows = [{"rank": r, "node_ip": "10.0.0.1", "device": "cuda:0", "blocks_used": 0, "blocks_free": 9, "tokens": 0,
+             "bytes": 0, "alive": True} for r in (0, 1)]
+    stats = {"shards": rows, "num_sequences": 0, "steps_committed": 0, "steps_rolled_back": 0}
+    text = format_status({"describe": {"config": config, "shards": shards}, "stats": stats})
+    assert "kernels warmed at start in 71.2 s (the slowest of 2 GPU shard(s): mostly compiling)" in text, text
+
+
 def test_list_tells_a_service_it_cannot_ask_from_one_that_does_not_answer():
     """`cpattn list` called every service whose operator credential is on another machine "not answering"."""
     from cpattn.launch.status import NO_CREDENTIAL, format_services
@@ -167,6 +180,7 @@ def test_status_in_process(start_service, capsys):
     out = capsys.readouterr().out
     assert f"service {svc.config.name!r}" in out and "2 shards on 1 node(s)" in out
     assert "backend TORCH (torch " in out and "LSE base E" in out and "sequences 1" in out
+    assert "kernels warmed" not in out   # CPU shards compile nothing (GPU: test_status_names_the_kernel_warm_up)
     assert main(["status", *target, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     expected = svc.stats()

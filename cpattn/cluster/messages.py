@@ -49,6 +49,8 @@ class ShardInfo:
     kernel_block_size: int | None = None
     ready: bool = True
     """False for a replacement until the coordinator has refilled it."""
+    warmup_s: float | None = None
+    """Seconds its kernels took to run once at start (cluster/kernel_warmup.py: compiling); None on a CPU."""
     kv_cache_dtype: str | None = None
     kv_bytes: int | None = None
     """None fields: a shard that has not answered (missing after a coordinator restart)."""

@@ -81,8 +81,10 @@ class ShardWorker(ShardKVPages, ShardGroups, ShardRunMethods):
         self.runner = ShardLayerRunner(config, self.backend, self.kv_caches, self.device, self.kv_scales,
                                        self.prefill_backend)
         self.kernel_block_size = self.runner.kernel_block_size
-        if self.device.type == "cuda":   # kernels compile here, within start_timeout_s, not in a first step
-            warm_up_kernels(config, self.backend, self.prefill_backend, self.device, f"shard {bundle_index}")
+        self.warmup_s = None   # kernels compile here, within start_timeout_s, not in a first step
+        if self.device.type == "cuda":
+            self.warmup_s = warm_up_kernels(config, self.backend, self.prefill_backend, self.device,
+                                            f"shard {bundle_index}")
         self._groups: dict[str, DataPlane] = {}
         self._graphs: dict[str, DecodeGraphs | None] = {}   # per group: a client runs one step at a time
         self._step_graphs: dict[str, ShardStepGraphs] = {}   # per NCCL group: whole decode steps (shard_graphs)
@@ -138,6 +140,7 @@ class ShardWorker(ShardKVPages, ShardGroups, ShardRunMethods):
                          prefill_backend=self.prefill_backend.get_name(),
                          prefill_kernel_version=self.prefill_backend.kernel_version(),
                          num_blocks=self.num_blocks, kernel_block_size=self.kernel_block_size, ready=self._ready,
+                         warmup_s=self.warmup_s,
                          kv_cache_dtype=str(self.cache_dtype).removeprefix("torch."),
                          kv_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches))
 

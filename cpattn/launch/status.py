@@ -71,6 +71,7 @@ def format_status(status: dict) -> str:
         f"layers {cfg['num_layers']}, heads {cfg['num_q_heads']}q/{cfg['num_kv_heads']}kv x {cfg['head_size']}; "
         f"sequences {stats['num_sequences']}, clients {len(stats.get('clients', {}))}, "
         f"steps committed {stats['steps_committed']}, rolled back {stats['steps_rolled_back']}",
+        *_warmup_line(shards),
         "",
         f"{'rank':>4}  {'node_ip':<15} {'node_id':<12} {'device':<8} {'used':>7} {'free':>7} {'tokens':>9} "
         f"{'KV MiB':>8}  alive",
@@ -85,6 +86,15 @@ def format_status(status: dict) -> str:
     for rank, why in lost.items():
         lines.append(f"shard {rank} lost: {why}")
     return "\n".join(lines)
+
+
+def _warmup_line(shards: list[dict]) -> list[str]:
+    """GPU shards: how long their kernels took to run once at start (compiling), the slowest shown."""
+    seconds = [s["warmup_s"] for s in shards if s.get("warmup_s") is not None]
+    if not seconds:
+        return []
+    return [f"kernels warmed at start in {max(seconds):.1f} s (the slowest of {len(seconds)} GPU shard(s): mostly "
+            "compiling)"]
 
 
 def status(args: argparse.Namespace) -> int:
