@@ -175,3 +175,19 @@ def test_a_local_failure_rolls_back_once_without_replay_or_rejoin_and_says_what_
     assert host.names()[-2:] == ["release", "end_step_of"] and "rejoin" not in host.names()
     assert host.calls[-1] == ("end_step_of", 101, False, True, False)
     assert [layer for _, layer, _ in host.sent] == [0]   # layer 1 failed in the host, nothing replayed
+
+
+def test_a_local_failure_while_replaying_after_a_shard_loss_is_the_same_service_error():
+    """Raised by a layer replayed after a recovery (kv_replicas=2): also a ServiceError with its cause, never the
+    internal LocalWorkError."""
+    from cpattn.cluster.data_plane import LocalWorkError
+
+    cause = torch.OutOfMemoryError("CUDA out of memory")
+    local = LocalWorkError(f"in-process shard(s) [0] on cuda:0: OutOfMemoryError: {cause}")
+    local.__cause__ = cause
+    host = FakeHost(kv_replicas=2, attend=[None, WireError("peer died"), local])
+    run = opened(host)
+    with pytest.raises(ServiceError, match=r"step 102, layer 0: in-process shard\(s\) \[0\] on cuda:0") as info:
+        attend_all(run)
+    assert info.value.__cause__ is cause and (run.state, run.ending) == ("rolled_back", "failed_here")
+    assert host.open_step is None

@@ -136,8 +136,6 @@ class StepRun:
                 break
             except WireError as exc:
                 self._recover(str(exc))
-            except LocalWorkError as exc:   # a replay would fail the same way: roll back, say what to change
-                self._fail_closed(f"layer {layer}: {exc}", "failed_here", _failed_here(self.info.step_id, layer, exc))
         else:
             self._fail_closed(f"layer {layer} failed after {MAX_RECOVERIES} shard recoveries")
         if self.replay is not None:
@@ -155,7 +153,10 @@ class StepRun:
 
     def _send(self, layer: int, message: LayerMessage, sinks: torch.Tensor | None) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = self.host.attend(self.wire, layer, message, sinks)
+        try:
+            out = self.host.attend(self.wire, layer, message, sinks)
+        except LocalWorkError as exc:   # a replay would fail the same way: roll back, say what to change
+            self._fail_closed(f"layer {layer}: {exc}", "failed_here", _failed_here(self.info.step_id, layer, exc))
         self.timings["data_plane_s"] += time.perf_counter() - t0
         self.timings["sent_bytes"] = self.wire.sent_bytes   # to remote shards, so far (a replay's wire: its own)
         return out
