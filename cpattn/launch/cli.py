@@ -167,7 +167,7 @@ def _address_origin(args: argparse.Namespace | None, error: str) -> str:
             value = (yaml.safe_load(f) or {}).get("ray_address")
     except Exception:   # no file, or one that cannot be read again: nothing to add
         return ""
-    if value and str(value) in error:
+    if isinstance(value, str) and value and value in error:   # (a YAML alias could make it any size)
         return f" (that address came from ray_address in {path}: correct it there, or pass --address)"
     return ""
 
