@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 
 import background_fixtures
-import beside_suite
 import suite_lanes
 
 
@@ -31,16 +29,6 @@ def pytest_configure(config):
 
         if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
             generate_and_save_token()
-    if beside_suite.REPORT_ENV in os.environ:   # this is the process beside the suite: its reports go back
-        config.pluginmanager.register(_BesideRecorder(config), "beside-recorder")
-
-
-class _BesideRecorder:
-    def __init__(self, config):
-        self.config = config
-
-    def pytest_runtest_logreport(self, report):
-        beside_suite.record(self.config, report)
 
 
 def pytest_unconfigure(config):
@@ -50,8 +38,6 @@ def pytest_unconfigure(config):
 
 _LANES = pytest.StashKey()
 _AFTER_BACKGROUND = pytest.StashKey()   # modules whose tests start once no background scenario runs
-_BESIDE = pytest.StashKey()             # the tests that run in the pytest process beside this one
-_BESIDE_RUN = pytest.StashKey()         # that process (beside_suite.Beside), once started
 
 
 def _in_xdist(config) -> bool:
@@ -61,26 +47,16 @@ def _in_xdist(config) -> bool:
 @pytest.hookimpl(trylast=True)   # after -k/-m deselection
 def pytest_collection_modifyitems(config, items):
     """In xdist workers: modules in the order of suite_lanes.module_order (tests keep their order in a module).
-    In one process with background scenarios or modules beside it to run (tests/background_fixtures.py,
-    tests/beside_suite.py): the modules with an alone test after the others, so that the scenarios overlap tests
-    without time bounds of their own; before those, the modules run beside (their reports wait for the second
-    process), and before those the modules whose scenario has no time bound, so that it has the suite so far to run
-    in (not the first minute)."""
+    In one process with background scenarios to run (tests/background_fixtures.py): the modules with an alone
+    test after the others, so that the scenarios overlap tests without time bounds of their own; before those, the
+    modules whose scenario has no time bound, so that it has the suite so far to run in (not the first minute)."""
     if getattr(config, "workerinput", None) is None:
-        if _in_xdist(config) or not background_fixtures.can_raise_priority():
-            return
-        has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
-        beside = [i.nodeid for i in items if _module(i) in beside_suite.beside_modules() and _module(i) not in has_alone
-                  and _module(i) not in background_fixtures.registered()]
-        if len(beside) == len(items):
-            beside = []   # only these were selected: nothing to run beside, they run here
-        if _background_modules(items) or beside:
-            untimed, delegated = background_fixtures.untimed(), set(beside)
+        if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
+            has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
+            untimed = background_fixtures.untimed()
             # stable: module order kept otherwise
-            items[:] = sorted(items, key=lambda i: (_module(i) in has_alone, i.nodeid in delegated,
-                                                    _module(i) in untimed))
+            items[:] = sorted(items, key=lambda i: (_module(i) in has_alone, _module(i) in untimed))
             config.stash[_AFTER_BACKGROUND] = has_alone
-            config.stash[_BESIDE] = beside
         return
     by_module: dict[str, list] = {}
     for item in items:
@@ -103,32 +79,20 @@ def _background_modules(items) -> list[str]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session):
-    """Start the process beside this one and the selected modules' background scenarios (one process, not
-    --collect-only); at the end, scenarios never picked up (-x, Ctrl-C) are aborted and joined, and the process
-    beside killed if it still runs."""
+    """Start the selected modules' background scenarios (one process, not --collect-only); at the end, those
+    never picked up (-x, Ctrl-C) are aborted and joined."""
     if session.config.option.collectonly or _in_xdist(session.config):
         return (yield)
-    nodeids = session.config.stash.get(_BESIDE, [])
-    beside = beside_suite.Beside(session.config.rootpath, nodeids) if nodeids else None
-    session.config.stash[_BESIDE_RUN] = beside
-    if beside is not None:
-        session.config.pluginmanager.register(_BesideReplay(beside), "beside-replay")
-        beside.start()
     background_fixtures.start(_background_modules(session.items))
     try:
         return (yield)
     finally:
         background_fixtures.abort_and_join()
-        if beside is not None:
-            beside.cleanup()
 
 
 def pytest_terminal_summary(terminalreporter):
     for line in background_fixtures.summary():
         terminalreporter.write_line(line)
-    beside = terminalreporter.config.stash.get(_BESIDE_RUN, None)
-    if beside is not None:
-        terminalreporter.write_line(beside.summary())
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -138,12 +102,9 @@ def pytest_runtest_protocol(item, nextitem):
     lanes = item.config.stash.get(_LANES, None)
     if lanes is None:
         after_background = item.config.stash.get(_AFTER_BACKGROUND, set())
-        if suite_lanes.lane(item.nodeid) == "alone" or _module(item) in after_background:
-            if background_fixtures.running():
-                background_fixtures.wait_all()
-            beside = item.config.stash.get(_BESIDE_RUN, None)
-            if beside is not None and beside.running():
-                beside.wait()
+        if background_fixtures.running() and (suite_lanes.lane(item.nodeid) == "alone"
+                                               or _module(item) in after_background):
+            background_fixtures.wait_all()
         yield
         return
     with lanes.hold(suite_lanes.lane(item.nodeid)):
@@ -225,35 +186,3 @@ def nothing_may_start(monkeypatch):
     for module, name in ((client, "ensure_ray"), (service, "ensure_ray"), (client, "launch_coordinator"),
                          (service, "launch_coordinator")):
         monkeypatch.setattr(module, name, must_not_run)
-
-
-class _BesideReplay:
-    """Registered while a pytest process runs beside this one (tests/beside_suite.py)."""
-
-    def __init__(self, beside):
-        self.beside = beside
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item, nextitem):
-        """A test run beside: its reports from there, replayed here (nothing of it set up or run here)."""
-        beside = self.beside
-        if item.nodeid not in beside.nodeids:
-            return None
-        from _pytest.reports import TestReport
-
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        entries = beside.reports(item.nodeid)
-        reports = [item.config.hook.pytest_report_from_serializable(config=item.config, data=e["report"])
-                   for e in entries]
-        for report in reports:
-            if isinstance(report.longrepr, list):   # a skip's (path, line, reason), a list after JSON
-                report.longrepr = tuple(report.longrepr)
-        if not any(r.when == "teardown" for r in reports):   # it never finished there
-            when = "teardown" if any(r.when == "call" for r in reports) else "call"
-            reports.append(TestReport(item.nodeid, item.location, {}, "failed",
-                                      f"the pytest process beside the suite {beside.missing_why()}; its last "
-                                      f"output:\n{beside.output_tail()}", when))
-        for report in reports:
-            item.ihook.pytest_runtest_logreport(report=report)
-        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        return True
