@@ -253,7 +253,8 @@ def ray_head():
                 if time.monotonic() > deadline or proc.poll() is not None:
                     pytest.fail("the test's Ray head did not start")
                 time.sleep(0.2)
-        yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "env": env}
+        yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "env": env,
+               "client": f"ray://127.0.0.1:{client_port}"}
         # The README's teardown: Ctrl-C in the head's terminal (SIGINT to its process group) stops the head and
         # everything it started, and nothing else.
         os.killpg(proc.pid, signal.SIGINT)
@@ -388,6 +389,35 @@ def test_explicit_address_needs_no_auth_mode_and_a_wrong_token_is_one_line(ray_h
     wrong = _run([*CLI, "status", "--address", gcs], env=dict(ray_head["env"], RAY_AUTH_TOKEN="0" * 32))
     assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
     assert f"the Ray cluster at {gcs} rejected the token found in RAY_AUTH_TOKEN" in wrong.stderr
+
+
+def test_a_ray_client_address_under_token_auth_needs_nothing_set(ray_head):
+    """The --help's `ray://head:10001` form on a cluster with token auth (Ray's default): Ray Client sends the
+    token only in token mode, so `cpattn status` waited 30 s and blamed the port ("cannot connect ... ray client
+    connection timeout"). Now it asks the way the GCS form does: the same answer, in seconds; a wrong token is
+    one line."""
+    client = ray_head["client"]
+    deadline = time.monotonic() + 60   # the head's Ray Client server starts after its dashboard answers
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", int(client.rsplit(":", 1)[1])), timeout=2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the head's Ray Client server did not start"
+            time.sleep(0.2)
+    t0 = time.monotonic()
+    status = _run([*CLI, "status", "--address", client, "--name", "no-such-service"], env=ray_head["env"])
+    took = time.monotonic() - t0
+    assert status.returncode == 1 and status.stderr.strip().splitlines()[-1] == (
+        "cpattn status: error: no cpattn service named 'no-such-service' in namespace 'cpattn': start one with "
+        "cpattn.start(...) or `cpattn serve`, or pass the right name/namespace (`cpattn list` shows every service "
+        "on the cluster)"), status.stderr
+    assert took < 25, took   # Ray Client's own timeout is 30 s
+    wrong = _run([*CLI, "status", "--address", client], env=dict(ray_head["env"], RAY_AUTH_TOKEN="0" * 32))
+    assert wrong.returncode == 1 and wrong.stderr.strip() == (
+        f"cpattn status: error: the Ray cluster at {client} rejected the token found in RAY_AUTH_TOKEN, the file "
+        "named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token: use the cluster's token (`ray get-auth-token` on its "
+        "head prints it), e.g. in RAY_AUTH_TOKEN"), wrong.stderr
 
 
 def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):

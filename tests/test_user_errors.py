@@ -76,9 +76,12 @@ def test_connect_to_an_unreachable_address_raises_service_error_within_seconds()
     assert out[:2] == ["ServiceError", "ConnectionRefusedError"] and float(out[2]) < 10, out
 
 
-def test_a_port_that_is_not_a_ray_gcs_fails_within_seconds():
-    """Something accepts the connection but never answers as a GCS: one bounded probe, not 20 x 41 s. (In a
-    process of its own: the probe sets Ray's config for a moment, which a live Ray session must not see.)"""
+@pytest.mark.parametrize("scheme, expected", [("", "does not answer as a Ray cluster's GCS"),
+                                              ("ray://", "does not answer as a Ray Client server")])
+def test_a_port_that_is_not_a_ray_gcs_fails_within_seconds(scheme, expected):
+    """Something accepts the connection but never answers as a GCS (or a Ray Client server): one bounded probe,
+    not 20 x 41 s (Ray Client: 30 s, then "check the port"). (In a process of its own: the probe sets Ray's
+    config for a moment, which a live Ray session must not see.)"""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -91,7 +94,7 @@ def test_a_port_that_is_not_a_ray_gcs_fails_within_seconds():
         reach.GCS_PROBE_TIMEOUT_S = 1   # bounds the probe to ~3 s (2 in use)
         t0 = time.monotonic()
         try:
-            reach.prepare_cluster("127.0.0.1:{listener.getsockname()[1]}")
+            reach.prepare_cluster("{scheme}127.0.0.1:{listener.getsockname()[1]}")
         except ServiceError as exc:
             print(round(time.monotonic() - t0, 2), exc)
     """)
@@ -101,7 +104,7 @@ def test_a_port_that_is_not_a_ray_gcs_fails_within_seconds():
     finally:
         listener.close()
     took, _, message = out.partition(" ")
-    assert "accepts connections but does not answer as a Ray cluster's GCS" in message, out
+    assert f"accepts connections but {expected}" in message, out
     assert float(took) < 10
 
 

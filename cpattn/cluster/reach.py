@@ -11,6 +11,9 @@ client, which Ray does by itself only for ``address="auto"``. ``prepare_cluster`
    on for this process (as ``ray.init`` does for a local cluster) with the token Ray finds in
    ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``.
 
+A Ray Client address (``ray://host:10001``) gets the same, with a Ray Client ping for the GCS call: Ray Client
+sends the token only in token mode, and a server that wants one otherwise looks unreachable after 30 s.
+
 A client in token mode cannot use a cluster without authentication (the cluster's workers cannot call
 back into it), so token mode is turned on only when the cluster asks for it. Every failure is a
 ``ServiceError`` whose message says what to check.
@@ -128,23 +131,37 @@ def prepare_cluster(address: str | None) -> str:
     to what it expects; returns the address to give ``ray.init``. Raises ServiceError within ~10 s."""
     resolved = resolve_address(address)
     shown = resolved if address in (None, "auto", resolved) else f"{address} ({resolved})"
-    if resolved.startswith("ray://"):   # Ray Client: reachability only
+    if resolved.startswith("ray://"):
         check_tcp(resolved, "Ray Client server")
+        _match_auth(shown, lambda mode: _probe_client_server(resolved, mode), client_server=True)
         return resolved
     if "://" in resolved:
         raise ServiceError(f"Ray address {resolved!r} is a URL: give the cluster's GCS address host:port "
                            "(`ray start --head` prints it; default port 6379), or ray://host:10001")
     check_tcp(resolved)
+    _match_auth(shown, lambda mode: _probe_gcs(resolved, mode), client_server=False)
+    return resolved
+
+
+def _match_auth(shown: str, probe, client_server: bool) -> None:
+    """One call without a token (``probe("disabled")``: the exception, or None when it answered); when the
+    cluster asks for one, token mode on (unless RAY_AUTH_MODE says otherwise) and the call again with it."""
     user_mode = os.environ.get(AUTH_MODE_ENV)
     wants_token = user_mode is not None and user_mode.lower() == "token"
-    error = _probe_gcs(resolved, "disabled")
+    error = probe("disabled")
     if error is None:   # the cluster takes clients without a token
-        if wants_token:
+        # A Ray Client server without auth ignores a token; a GCS without auth cannot serve a token-mode driver.
+        if wants_token and not client_server:
             raise ServiceError(f"the Ray cluster at {shown} runs without token authentication but RAY_AUTH_MODE is "
                                "'token' here, and a client in token mode cannot use such a cluster (its workers "
                                "cannot call back into it): unset RAY_AUTH_MODE")
-        return resolved
+        return
     if not _is_auth_error(error):
+        if client_server:
+            raise ServiceError(f"{shown} accepts connections but does not answer as a Ray Client server "
+                               f"({_one_line(error)}): give the head's Ray Client port (`ray start --head "
+                               "--ray-client-server-port`, default 10001), or its GCS address host:6379 "
+                               "without ray://") from error
         raise ServiceError(f"{shown} accepts connections but does not answer as a Ray cluster's GCS "
                            f"({_one_line(error)}): give the GCS port of the head (`ray start --head --port`, "
                            "default 6379), not e.g. the dashboard's 8265") from error
@@ -159,9 +176,9 @@ def prepare_cluster(address: str | None) -> str:
                            "prints it)") from error
     if not wants_token:
         use_token_auth()
-    error = _probe_gcs(resolved, "token")
+    error = probe("token")
     if error is None:
-        return resolved
+        return
     if not wants_token:   # leave the process as it was
         os.environ.pop(AUTH_MODE_ENV, None)
         _refresh_ray_config()
@@ -202,13 +219,41 @@ def _probe_gcs(address: str, mode: str) -> Exception | None:
     return None
 
 
+def _probe_client_server(address: str, mode: str) -> Exception | None:
+    """One Ray Client ping (``ray://host:port``) in auth ``mode``, bounded to a few seconds. Ray Client sends the
+    token only in token mode, and without it retries an UNAUTHENTICATED answer until its 30 s timeout, which it
+    then reports as an unreachable port."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import ray_client_pb2, ray_client_pb2_grpc
+    from ray.util.client.common import GRPC_OPTIONS
+
+    target = address.split("://", 1)[1].split("/", 1)[0]
+    with _ray_env(**{AUTH_MODE_ENV: mode}):
+        channel = init_grpc_channel(target, options=GRPC_OPTIONS, asynchronous=False)
+        try:
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING),
+                timeout=GCS_PROBE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            return exc
+        finally:
+            channel.close()
+    return None
+
+
 def _is_auth_error(exc: Exception) -> bool:
     from ray.exceptions import AuthenticationError
 
+    code = getattr(exc, "code", None)
+    if callable(code) and getattr(code(), "name", None) == "UNAUTHENTICATED":   # a gRPC answer (Ray Client)
+        return True
     return isinstance(exc, AuthenticationError) or "InvalidAuthToken" in str(exc)
 
 
 def _one_line(exc: Exception) -> str:
+    if callable(getattr(exc, "details", None)) and callable(getattr(exc, "code", None)):   # a gRPC error
+        return f"{exc.code().name}: {exc.details()}" if exc.details() else exc.code().name
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -259,8 +304,7 @@ def prepare_job_server(address: str | None) -> str:
     """The Ray job server's URL for ``address`` (a dashboard URL http://host:8265, a GCS address, or
     None/'auto'), checked to answer within seconds, with token mode on when it asks for a token."""
     if address and address.startswith("ray://"):
-        check_tcp(address, "Ray Client server")
-        return address   # Ray's SDK asks the Ray Client server for the job server
+        return prepare_cluster(address)   # Ray's SDK asks the Ray Client server for the job server
     if address and "://" in address:
         url = address.rstrip("/")
     else:
