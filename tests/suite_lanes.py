@@ -45,6 +45,7 @@ ALONE_TESTS = (
     "test_reliability_tenants.py::test_a_collective_timeout_without_shard_loss_rebuilds_the_group_and_the_retry_works",
     "test_reliability_tenants.py::test_a_dead_clients_step_groups_and_sequences_come_back_within_two_lease_periods",
     "test_reliability_tenants.py::test_joins_that_never_finish_cannot_hold_the_shards_threads",   # join_timeout + 10
+    "test_reliability_tenants.py::test_a_client_stalled_mid_step_holds_no_shard_thread_once_its_shards_gave_up",
     "test_reliability_authority.py::test_an_expired_ticket_and_the_join_limits_in_process",   # joins end in 3 s
     "test_data_plane.py::test_idle_shard_lost_mid_step_single_replica",   # kill mid-step, collective_timeout_s=5
     "test_data_plane.py::test_two_replicas_shard_lost_mid_step_is_invisible",

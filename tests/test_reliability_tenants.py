@@ -81,6 +81,38 @@ def test_open_steps_are_capped_and_never_starve_the_health_check(ray_session):
         svc.shutdown()
 
 
+def test_a_client_stalled_mid_step_holds_no_shard_thread_once_its_shards_gave_up(ray_session):
+    """A client whose model stalls between two layers (its heartbeat alive) held one of max_open_steps for good:
+    its shards stopped waiting for its next layer after collective_timeout_s, but the coordinator still counted
+    the step, and every other client's step was refused until the stalled one's lease ended. An open step now
+    counts while its shard calls run: once they gave up, another client's step is admitted; the stalled client's
+    next layer fails with ServiceError (its step rolled back, nothing written) and its retry is exact."""
+    cfg = service_config(num_shards=3, max_open_steps=1, collective_timeout_s=3.0, rpc_timeout_s=RPC_S)
+    svc = cpattn.start(cfg)
+    other = cpattn.connect(name=cfg.name, namespace=cfg.namespace)
+    try:
+        oracle = Oracle(cfg, 37)
+        a, b = svc.add_sequence(), other.add_sequence()
+        run_step(svc, oracle, {a: 6})
+        stalled, _ = _open_step(svc, oracle, {a: 4})
+        with pytest.raises(CapacityError, match=r"1 steps are open .*max_open_steps=1"):
+            with other.step({b: 3}):
+                pytest.fail("the shards still serve the stalled step")
+        time.sleep(cfg.collective_timeout_s + 3)          # the shards' wait for layer 1 runs out
+        checked_step(other, oracle, {b: 3}, tol=TOL)       # admitted: the stalled step holds no shard thread
+        q, k, v = oracle.random_qkv(4)
+        with pytest.raises(ServiceError):
+            stalled.attend(1, q, k, v)
+        stalled.__exit__(None, None, None)
+        assert svc.sequences() == {a: 6} and other.sequences() == {b: 3}
+        checked_step(svc, oracle, {a: 4}, tol=TOL)          # the retry, exact over the old history
+        checked_step(other, oracle, {b: 2}, tol=TOL)
+        assert svc.stats()["shards_replaced"] == 0
+    finally:
+        other.close()
+        svc.shutdown()
+
+
 class _EvilId(str):
     """Equal to the id it wraps, with a hash of its own: a dict can hold it next to that id."""
 

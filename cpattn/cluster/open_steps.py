@@ -120,13 +120,17 @@ class OpenSteps:
         """Each open step holds a thread on every shard: refuse one more than max_open_steps (issue 12).
 
         Rolled-back steps whose shard calls have not returned yet (a client that died mid-step, until its
-        group breaks) still hold their threads and count too.
+        group breaks) still hold their threads and count too. An open step whose shard calls all returned holds
+        none: its layers are done, or its shards gave up waiting for them (a client stalled mid-step, its
+        heartbeat alive, for collective_timeout_s), so it no longer keeps other clients' steps out. A step not yet
+        handed to its shards (no calls yet) counts.
         """
         cap = self.max_open_steps
         if len(self.steps) + len(self.draining) < cap:
             return
         self.draining = [p for p in (self._pending(refs) for refs in self.draining) if p]
-        held = len(self.steps) + len(self.draining)
+        serving = [s for s in self.steps.values() if not s.refs or self._pending(s.refs)]
+        held = len(serving) + len(self.draining)
         if held >= cap:
             raise CapacityError(
                 f"{held} steps are open on the shards, the most they serve at once (max_open_steps={cap}): finish "
