@@ -205,8 +205,9 @@ class ClientLimits(FieldGroup):
     before anything is allocated. Bounds a step's per-shard memory (q/k/v and outputs grow with it; the TORCH
     backend attends in tiles, so scores do not grow with its square): split long prefills into chunks."""
     max_open_steps: int = Field(48, ge=1, le=1024)
-    """Most steps open at once (each holds a thread on every shard while open); one more is refused with
-    CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing
+    """Most steps open at once (each holds a thread on every shard while its shard calls run: a step whose
+    client stalled mid-step stops counting once its shards gave up, after collective_timeout_s); one more is
+    refused with CapacityError. Shards get this many step threads plus headroom for control calls; pings and fencing
     have threads of their own."""
 
 
