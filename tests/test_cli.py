@@ -393,10 +393,11 @@ def test_explicit_address_needs_no_auth_mode_and_a_wrong_token_is_one_line(ray_h
 
 def test_a_ray_client_address_under_token_auth_needs_nothing_set(ray_head):
     """The --help's `ray://head:10001` form on a cluster with token auth (Ray's default): Ray Client sends the
-    token only in token mode, so `cpattn status` waited 30 s and blamed the port ("cannot connect ... ray client
-    connection timeout"). Now it asks the way the GCS form does: the same answer, in seconds; a wrong token is
-    one line."""
-    client = ray_head["client"]
+    token only in token mode, so every command waited 30 s and blamed the port ("cannot connect ... ray client
+    connection timeout"). Now each asks the way the GCS form does: serve, list and stop work over it with nothing
+    set, and a wrong token is one line. `list` also read the GCS tables in its own process, which a Ray Client
+    driver has not ("Trying to use state API before ray.init()")."""
+    client, env = ray_head["client"], ray_head["env"]
     deadline = time.monotonic() + 60   # the head's Ray Client server starts after its dashboard answers
     while True:
         try:
@@ -405,19 +406,24 @@ def test_a_ray_client_address_under_token_auth_needs_nothing_set(ray_head):
         except OSError:
             assert time.monotonic() < deadline, "the head's Ray Client server did not start"
             time.sleep(0.2)
-    t0 = time.monotonic()
-    status = _run([*CLI, "status", "--address", client, "--name", "no-such-service"], env=ray_head["env"])
-    took = time.monotonic() - t0
-    assert status.returncode == 1 and status.stderr.strip().splitlines()[-1] == (
-        "cpattn status: error: no cpattn service named 'no-such-service' in namespace 'cpattn': start one with "
-        "cpattn.start(...) or `cpattn serve`, or pass the right name/namespace (`cpattn list` shows every service "
-        "on the cluster)"), status.stderr
-    assert took < 25, took   # Ray Client's own timeout is 30 s
-    wrong = _run([*CLI, "status", "--address", client], env=dict(ray_head["env"], RAY_AUTH_TOKEN="0" * 32))
+    wrong = _run([*CLI, "status", "--address", client], env=dict(env, RAY_AUTH_TOKEN="0" * 32))
     assert wrong.returncode == 1 and wrong.stderr.strip() == (
         f"cpattn status: error: the Ray cluster at {client} rejected the token found in RAY_AUTH_TOKEN, the file "
         "named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token: use the cluster's token (`ray get-auth-token` on its "
         "head prints it), e.g. in RAY_AUTH_TOKEN"), wrong.stderr
+    name = "over-ray-client"
+    served = _run([*CLI, "serve", "--address", client, "--name", name, *SMALL, "--num-shards", "1"], env=env)
+    try:
+        assert served.returncode == 0 and f"cpattn service '{name}'" in served.stdout, served.stderr
+        t0 = time.monotonic()
+        listed = _run([*CLI, "list", "--address", client], env=env)
+        took = time.monotonic() - t0
+        rows = [line.split() for line in listed.stdout.splitlines()]
+        assert listed.returncode == 0 and any(row[:3] == [name, "cpattn", "1/1"] for row in rows), listed
+        assert took < 25, took   # Ray Client's own timeout is 30 s
+    finally:
+        stopped = _run([*CLI, "stop", "--address", client, "--name", name], env=env)
+    assert stopped.returncode == 0 and f"stopped cpattn service '{name}'" in stopped.stdout, stopped.stderr
 
 
 def test_placement_waits_out_loud_and_fails_with_the_fix(ray_head):

@@ -140,6 +140,14 @@ def stop(args: argparse.Namespace) -> int:
 NO_CREDENTIAL = "no operator credential here"
 
 
+def coordinator_actors() -> list[tuple[str, str, int]]:
+    """(name, namespace, start time in ms) of every alive cpattn coordinator, by namespace and name."""
+    from cpattn.cluster.placement_wait import COORDINATOR_CLASSES, alive_actors
+
+    return sorted(((a.name, a.ray_namespace, a.start_time) for a in alive_actors()
+                   if a.class_name in COORDINATOR_CLASSES and a.name), key=lambda f: (f[1], f[0]))
+
+
 def gather_services() -> list[dict]:
     """Every cpattn service on the cluster (alive coordinators in any namespace), each with its status or why
     it did not answer; the calls run in parallel, bounded by one timeout."""
@@ -147,10 +155,10 @@ def gather_services() -> list[dict]:
 
     import ray
 
-    from cpattn.cluster.placement_wait import COORDINATOR_CLASSES, alive_actors
-
-    found = sorted(((a.name, a.ray_namespace, a.start_time) for a in alive_actors()
-                    if a.class_name in COORDINATOR_CLASSES and a.name), key=lambda f: (f[1], f[0]))
+    if ray.util.client.ray.is_connected():   # Ray Client (ray://): the GCS tables are read on the cluster
+        found = ray.get(ray.remote(num_cpus=0)(coordinator_actors).remote(), timeout=_STATUS_TIMEOUT_S)
+    else:
+        found = coordinator_actors()
     pending = {}
     for name, namespace, _ in found:
         try:
