@@ -52,7 +52,11 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 
 
 def kill_shard(svc, rank: int, wait_dead: bool = True):
-    """ray.kill the shard of ``rank``; with wait_dead, return only once it no longer answers. Returns its handle."""
+    """ray.kill the shard of ``rank``; with wait_dead, return only once Ray calls it dead. Returns its handle.
+
+    Dead is ActorDiedError, not any RayActorError: ActorUnavailableError (one too) can come while the process still
+    runs and serves, and a test that went on then saw a shard "killed" after layer 0 serve layer 1 and the step
+    commit (CI, 2026-12-07, test_data_plane's single-replica case)."""
     handle = current_shards(svc)[rank]
     ray.kill(handle, no_restart=True)
     if wait_dead:
@@ -60,8 +64,10 @@ def kill_shard(svc, rank: int, wait_dead: bool = True):
             try:
                 ray.get(handle.ping.remote(svc.operator_credential), timeout=RPC_S)
                 return False
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:
                 return True
+            except ray.exceptions.RayActorError:   # unavailable for now: not yet known dead
+                return False
         wait_for(dead, 60, f"shard {rank} to die")
     return handle
 
