@@ -191,18 +191,42 @@ def _match_auth(shown: str, probe, client_server: bool) -> None:
 
 def join_cluster(address: str, namespace: str, **init_kwargs) -> None:
     """``ray.init`` on an existing cluster after ``prepare_cluster``: an unreachable address fails in seconds
-    with one ServiceError instead of Ray's ~14 minutes of retries."""
+    with one ServiceError instead of Ray's ~14 minutes of retries. Over Ray Client a connection whose server-side
+    process failed to start is tried again, RAY_CLIENT_ATTEMPTS times in all."""
     import logging
 
     import ray
 
     resolved = prepare_cluster(address)
     init_kwargs.setdefault("logging_level", logging.WARNING)
-    try:
-        ray.init(address=resolved, namespace=namespace, **init_kwargs)
-    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
-        raise ServiceError(f"cannot connect to the Ray cluster at {address} ({_one_line(exc)}): check that it is "
-                           "running (`ray status` on its head) and reachable from here") from exc
+    for attempt in range(1, RAY_CLIENT_ATTEMPTS + 1):
+        try:
+            ray.init(address=resolved, namespace=namespace, **init_kwargs)
+            return
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
+            why = _one_line(exc)
+            if resolved.startswith("ray://") and why.startswith(SERVER_INIT_FAILED) and attempt < RAY_CLIENT_ATTEMPTS:
+                print(f"cpattn: the Ray Client server at {resolved} could not start this connection's server "
+                      f"({_last_line(exc)}): connecting again ({attempt + 1} of {RAY_CLIENT_ATTEMPTS})",
+                      file=sys.stderr, flush=True)
+                ray.shutdown()
+                continue
+            if why.startswith(SERVER_INIT_FAILED):
+                why = f"{why} {_last_line(exc)}"
+            raise ServiceError(f"cannot connect to the Ray cluster at {address} ({why}): check that it is "
+                               "running (`ray status` on its head) and reachable from here") from exc
+
+
+# Ray 2.60's Ray Client server starts a process per connection; on a busy machine about 1 start in 5 fails
+# (its shim exits, or psutil meets it as a zombie), and the client hears it 30 s later as this message, the
+# server's traceback after it (measured 2026-12-07 on a 2-core box).
+SERVER_INIT_FAILED = "Initialization failure from server"
+RAY_CLIENT_ATTEMPTS = 3
+
+
+def _last_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _probe_gcs(address: str, mode: str) -> Exception | None:
