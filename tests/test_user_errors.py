@@ -238,24 +238,43 @@ def test_start_and_connect_arguments_are_checked_before_ray():
             cpattn.connect(**kwargs)
 
 
-def test_a_serve_that_fails_after_its_coordinator_started_leaves_nothing(ray_session):
+def test_a_serve_that_fails_after_its_coordinator_started_leaves_nothing(ray_session, monkeypatch):
     """`cpattn serve --rpc-timeout-s 0.001` timed out reading the started service and exited, leaving a detached
-    coordinator, shards and placement group whose operator credential was never printed: nobody could stop them."""
+    coordinator, shards and placement group whose operator credential was never printed: nobody could stop them.
+    The read times out here by injection: with a real 1 ms bound the answer sometimes came in time (CI, 2026-12-07),
+    and the test then failed and left that service running."""
     import ray
     from ray.util import get_placement_group
 
+    import cpattn.cluster.service as service
     from cpattn.cluster.placement import placement_group_name, shard_actor_name
     from cpattn.launch.cli import build_parser
     from cpattn.launch.serve import serve
     from service_oracle import unique_name
 
+    real_launch, real_get, launched = service.launch_coordinator, ray.get, []
+
+    def launch(*args, **kwargs):
+        launched.append(real_launch(*args, **kwargs))
+        return launched[-1]
+
+    def get(refs, *args, **kwargs):
+        if launched and not hasattr(launch, "timed_out"):   # the first read of the started service
+            launch.timed_out = True
+            raise ray.exceptions.GetTimeoutError("injected: no answer within rpc_timeout_s")
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(service, "launch_coordinator", launch)
+    monkeypatch.setattr(ray, "get", get)
     name = unique_name("serve-fails")
     args = build_parser().parse_args(["serve", "--name", name, "--num-shards", "1", "--num-layers", "1",
                                       "--num-q-heads", "2", "--num-kv-heads", "1", "--head-size", "8", "--block-size",
                                       "4", "--dtype", "float64", "--num-cpus-per-shard", "0.25",
-                                      "--num-blocks-per-shard", "8", "--rpc-timeout-s", "0.001"])
-    with pytest.raises(CpattnError, match="rpc_timeout_s"):
+                                      "--num-blocks-per-shard", "8", "--rpc-timeout-s", "10"])
+    with pytest.raises(CpattnError, match="did not answer within rpc_timeout_s=10s, and was stopped"):
         serve(args)
+    assert launched and launch.timed_out
+    monkeypatch.undo()
     for actor in (name, shard_actor_name(name, 0)):
         with pytest.raises(ValueError):
             ray.get_actor(actor, namespace="cpattn")
