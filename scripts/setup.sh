@@ -33,6 +33,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 say "installing cpattn and its test tools (ray, transformers, pytest)"
 pip_install -e ".[test]"
+# Triton for its interpreter (tests/interpreter_run.py runs the TRITON kernels' tests on the CPU with it), in a
+# directory of its own that only that run puts on its path: the suite itself sees the CPU machine a user has (no
+# triton), and a CUDA torch's own triton pin is never touched (on CUDA machines the GPU tests run the kernels).
+# 3.9.0: 3.6's interpreter fails under numpy 2.4 ("only 0-dimensional arrays can be converted to Python scalars").
+if [[ "$(uname -s)-$(uname -m)" == Linux-x86_64 ]] && .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
+  say "installing triton 3.9.0 for the Triton interpreter tests (.venv/triton-interpret, ~640 MB)"
+  pip_install --target .venv/triton-interpret --upgrade "triton==3.9.0"
+fi
 # The checkout as a sys.path entry: then a directory named `cpattn` holding the checkout cannot shadow the
 # installed package for scripts run from its parent (the editable install's import hook comes after it).
 site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

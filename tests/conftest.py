@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
 import background_fixtures
+import interpreter_run
 import suite_lanes
 
 
@@ -53,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config, "workerinput", None) is None:
         if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
             has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
-            untimed = background_fixtures.untimed()
+            untimed = background_fixtures.untimed() | {interpreter_run.MODULE}   # late, as a scenario without bounds
             # stable: module order kept otherwise
             items[:] = sorted(items, key=lambda i: (_module(i) in has_alone, _module(i) in untimed))
             config.stash[_AFTER_BACKGROUND] = has_alone
@@ -84,10 +86,24 @@ def pytest_runtestloop(session):
     if session.config.option.collectonly or _in_xdist(session.config):
         return (yield)
     background_fixtures.start(_background_modules(session.items))
+    beside = _start_interpreter_run(session.items)
     try:
         return (yield)
     finally:
         background_fixtures.abort_and_join()
+        if beside:
+            interpreter_run.SESSION.cleanup()
+
+
+def _start_interpreter_run(items) -> bool:
+    """The Triton interpreter's tests at nice 19 from the start (tests/interpreter_run.py), when their module is
+    selected, this process may run things in the background and the run can happen here."""
+    if interpreter_run.MODULE not in {_module(i) for i in items} or os.environ.get("CPATTN_TEST_BACKGROUND") == "0":
+        return False
+    if interpreter_run.unavailable() is not None:
+        return False
+    interpreter_run.SESSION.start()
+    return True
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _smoke(script: str, tmp_path: Path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "sweep.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    # The checkout first, then the caller's path (where triton may come from: tests/interpreter_run.py).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", *extra, "--smoke", "--json", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
