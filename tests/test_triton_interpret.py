@@ -1,7 +1,8 @@
 """The TRITON kernels' sliding window, soft cap and fp8 KV read on the CPU, through Triton's interpreter.
 
 Runs where triton is installed and no GPU is (the GPU tests cover real shapes: tests/gpu/
-test_backend_features_gpu.py); skipped otherwise, e.g. in the CPU suite's venv, which has no triton:
+test_backend_features_gpu.py); skipped otherwise, e.g. in the CPU suite's own process, which has no triton (the suite
+runs it beside, with triton: tests/interpreter_run.py). By hand:
     TRITON_INTERPRET=1 PYTHONPATH=. <a python with torch and triton> -m pytest tests/test_triton_interpret.py
 The interpreter cannot run a bf16 dot (numpy has no bfloat16), so these cases use float16 activations.
 """
