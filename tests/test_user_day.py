@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import stat
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def test_setup_says_one_line_per_phase_on_a_first_install(tmp_path):
     fake_python = ("#!/bin/sh\n"
                    "if [ \"$1\" = -m ] && [ \"$2\" = venv ]; then mkdir -p \"$3/bin\"; cp \"$0\" \"$3/bin/python\"; exit 0; fi\n"
                    "case \"$2\" in *sysconfig*) echo \"$(dirname \"$0\")\"; exit 0;; esac\n"
+                   "if [ \"$5\" = --target ]; then mkdir -p \"$6/triton\"; fi\n"
                    "exit 0\n")
     (fake_bin / "python3").write_text(fake_python)
     (fake_bin / "python3").chmod(0o755 | stat.S_IXUSR)
@@ -170,6 +172,14 @@ def test_setup_says_one_line_per_phase_on_a_first_install(tmp_path):
     again = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                            env=env)
     assert again.returncode == 0 and again.stdout == "" and again.stderr == "", again.stderr
+    # The test command's setup adds triton for the interpreter tests (Linux x86_64, a CPU torch), once.
+    linux_x86 = platform.system() == "Linux" and platform.machine() == "x86_64"
+    for expected in (["setup: installing triton 3.9.0 for the Triton interpreter tests"] if linux_x86 else [], []):
+        tests = subprocess.run(["bash", "scripts/setup.sh", "tests"], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=60, env=env)
+        assert tests.returncode == 0 and tests.stdout == "", tests.stderr
+        assert [line.split(" (")[0] for line in tests.stderr.splitlines()] == expected, tests.stderr
+    assert (tmp_path / ".venv" / "triton-interpret" / "triton").is_dir() == linux_x86
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="GPU tests run here")
