@@ -107,8 +107,9 @@ def _start_interpreter_run(items) -> bool:
 
 
 def pytest_terminal_summary(terminalreporter):
-    for line in background_fixtures.summary():
-        terminalreporter.write_line(line)
+    for line in background_fixtures.summary() + [interpreter_run.SESSION.summary()]:
+        if line:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -63,8 +64,11 @@ class InterpreterRun:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.returncode: int | None = None
+        self.took_s: float | None = None
+        self.nice: int | None = None
 
     def start(self, nice: int = NICE) -> None:
+        self.nice = nice
         env = dict(os.environ, TRITON_INTERPRET="1", CPATTN_TEST_BACKGROUND="0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH"))
                                             if p)
@@ -80,11 +84,13 @@ class InterpreterRun:
         self._thread.start()
 
     def _wait(self) -> None:
+        started = time.monotonic()
         try:
             self.returncode = self._proc.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.stop()
         finally:
+            self.took_s = time.monotonic() - started
             self._done.set()
 
     def started(self) -> bool:
@@ -124,6 +130,13 @@ class InterpreterRun:
     def output_tail(self, chars: int = 3000) -> str:
         path = self._dir / "output.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
+
+    def summary(self) -> str | None:
+        """One line for the terminal summary, once it ran."""
+        if self.took_s is None:
+            return None
+        where = f"beside the suite at nice {self.nice}" if self.nice else "in the foreground"
+        return f"{MODULE}: the Triton interpreter's tests ran {where} for {self.took_s:.1f} s (exit {self.returncode})"
 
     def cleanup(self) -> None:
         import shutil

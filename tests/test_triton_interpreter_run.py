@@ -16,9 +16,13 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 def interpreted():
     """The run's cases by module: started at the session's start by conftest.py, else here in the foreground."""
     run = interpreter_run.SESSION
-    if not run.started():
-        run.start(nice=0)
-    return run.cases()
+    if run.started():
+        return run.cases()   # conftest.py cleans up at the session's end
+    run.start(nice=0)
+    try:
+        return run.cases()
+    finally:
+        run.cleanup()
 
 
 @pytest.mark.parametrize("module", sorted(dict.fromkeys(interpreter_run.module_of(t)
