@@ -1,12 +1,13 @@
 """cuda_decode_fp8.py off the GPU: every reason a launch cannot take the CUDA kernel is named (the Triton kernels serve
-it then), and the kernel's source compiles for sm_90 wherever NVRTC is found (CUDA builds of torch ship it; this CPU
-box only with the nvidia-cuda-nvrtc wheel: CPATTN_NVRTC=/path/to/libnvrtc.so). The kernel's results: tests/gpu/
-test_cuda_decode_fp8_gpu.py."""
+it then), and the kernel's source compiles for sm_90 wherever NVRTC is found (CUDA builds of torch ship it; a CPU
+machine has it from the nvidia-cuda-nvrtc wheel, which scripts/test.sh's setup puts in .venv/nvrtc, or from
+CPATTN_NVRTC=/path/to/libnvrtc.so). The kernel's results: tests/gpu/test_cuda_decode_fp8_gpu.py."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +26,13 @@ def test_every_reason_is_named():
         "the configuration does not ask for it (fp8_cuda)"]
 
 
+# Where scripts/test.sh's setup puts the nvidia-cuda-nvrtc wheel on a CPU machine (Linux x86_64).
+SETUP_NVRTC = Path(__file__).resolve().parents[1] / ".venv" / "nvrtc" / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"
+
+
 def _nvrtc() -> ctypes.CDLL | None:
-    for name in (os.environ.get("CPATTN_NVRTC"), "libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"):
+    for name in (os.environ.get("CPATTN_NVRTC"), "libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so",
+                 str(SETUP_NVRTC) if SETUP_NVRTC.exists() else None):
         if name:
             try:
                 return ctypes.CDLL(name)

@@ -172,14 +172,17 @@ def test_setup_says_one_line_per_phase_on_a_first_install(tmp_path):
     again = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                            env=env)
     assert again.returncode == 0 and again.stdout == "" and again.stderr == "", again.stderr
-    # The test command's setup adds triton for the interpreter tests (Linux x86_64, a CPU torch), once.
+    # The test command's setup adds triton for the interpreter tests and NVRTC (Linux x86_64, a CPU torch), once.
     linux_x86 = platform.system() == "Linux" and platform.machine() == "x86_64"
-    for expected in (["setup: installing triton 3.9.0 for the Triton interpreter tests"] if linux_x86 else [], []):
+    tools = ["setup: installing triton 3.9.0 for the Triton interpreter tests",
+             "setup: installing NVRTC 12.9 for the CUDA kernel's compile tests"]
+    for expected in (tools if linux_x86 else [], []):
         tests = subprocess.run(["bash", "scripts/setup.sh", "tests"], cwd=tmp_path, capture_output=True, text=True,
                                timeout=60, env=env)
         assert tests.returncode == 0 and tests.stdout == "", tests.stderr
         assert [line.split(" (")[0] for line in tests.stderr.splitlines()] == expected, tests.stderr
     assert (tmp_path / ".venv" / "triton-interpret" / "triton").is_dir() == linux_x86
+    assert (tmp_path / ".venv" / "nvrtc").is_dir() == linux_x86
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="GPU tests run here")
