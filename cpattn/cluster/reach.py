@@ -33,6 +33,11 @@ TCP_TIMEOUT_S = 3.0
 # Bounds the probe's GCS connect (Ray's own default is ~40 s per attempt); a healthy GCS answers in ms.
 GCS_PROBE_TIMEOUT_S = 2
 TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token"
+# Ray 2.60's Ray Client server starts a process per connection; on a busy machine about 1 start in 5 fails
+# (its shim exits, or psutil meets it as a zombie), and the client hears it 30 s later as this message, the
+# server's traceback after it (measured 2026-12-07 on a 2-core box).
+SERVER_INIT_FAILED = "Initialization failure from server"
+RAY_CLIENT_ATTEMPTS = 3
 
 
 def use_token_auth() -> None:
@@ -215,13 +220,6 @@ def join_cluster(address: str, namespace: str, **init_kwargs) -> None:
                 why = f"{why} {_last_line(exc)}"
             raise ServiceError(f"cannot connect to the Ray cluster at {address} ({why}): check that it is "
                                "running (`ray status` on its head) and reachable from here") from exc
-
-
-# Ray 2.60's Ray Client server starts a process per connection; on a busy machine about 1 start in 5 fails
-# (its shim exits, or psutil meets it as a zombie), and the client hears it 30 s later as this message, the
-# server's traceback after it (measured 2026-12-07 on a 2-core box).
-SERVER_INIT_FAILED = "Initialization failure from server"
-RAY_CLIENT_ATTEMPTS = 3
 
 
 def _last_line(exc: Exception) -> str:
