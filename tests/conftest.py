@@ -55,9 +55,10 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config, "workerinput", None) is None:
         if not _in_xdist(config) and _background_modules(items) and background_fixtures.can_raise_priority():
             has_alone = {_module(i) for i in items if suite_lanes.lane(i.nodeid) == "alone"}
-            untimed = background_fixtures.untimed() | {interpreter_run.MODULE}   # late, as a scenario without bounds
-            # stable: module order kept otherwise
-            items[:] = sorted(items, key=lambda i: (_module(i) in has_alone, _module(i) in untimed))
+            untimed = background_fixtures.untimed()
+            # stable: module order kept otherwise; the interpreter run's results last (tests/interpreter_run.py)
+            items[:] = sorted(items, key=lambda i: (_module(i) == interpreter_run.MODULE, _module(i) in has_alone,
+                                                    _module(i) in untimed))
             config.stash[_AFTER_BACKGROUND] = has_alone
         return
     by_module: dict[str, list] = {}
