@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -21,12 +22,24 @@ import pytest
 
 import background_fixtures
 import cpattn
+import interpreter_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKES = {"cp_scaling.py": 600, "shared_prefix.py": 600, "profile_begin.py": 600, "op_cost.py": 300,
           "plan_cost.py": 300, "shared_prefix_host.py": 300, "shared_prefix_begin.py": 300, "steady_rows_cost.py": 300}
 """Each benchmark's --smoke run and its timeout (s)."""
 NEEDS_TRITON = {"steady_rows_cost.py"}   # TRITON's builder under the Triton interpreter
+
+
+def _triton_env() -> dict | None:
+    """The environment a NEEDS_TRITON script runs in: this one where triton imports, else with the triton that
+    scripts/test.sh's setup put aside (tests/interpreter_run.py) on its path; None: no triton here."""
+    if importlib.util.find_spec("triton") is not None:
+        return dict(os.environ)
+    if interpreter_run.unavailable() is not None:
+        return None
+    path = os.pathsep.join(p for p in (str(interpreter_run.TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
 
 
 def _run_smokes(scenario) -> dict:
@@ -36,11 +49,12 @@ def _run_smokes(scenario) -> dict:
     runs = {"dir": out}
     try:
         for script, timeout_s in SMOKES.items():
-            if script in NEEDS_TRITON and importlib.util.find_spec("triton") is None:
+            env = _triton_env() if script in NEEDS_TRITON else None
+            if script in NEEDS_TRITON and env is None:
                 continue
             json_path = out / f"{Path(script).stem}.json"
             proc = subprocess.Popen([sys.executable, f"benchmarks/{script}", "--smoke", "--json", str(json_path)],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             try:
                 stdout, stderr = background_fixtures.communicate(proc, timeout_s, scenario.aborted)
             except subprocess.TimeoutExpired:
@@ -118,7 +132,8 @@ def test_plan_cost_smoke_measures_every_part(smokes):
 
 def test_steady_rows_cost_smoke_times_every_part(smokes):
     """benchmarks/steady_rows_cost.py (SteadyRun.of on the CPU, TRITON's builder under the Triton interpreter)."""
-    pytest.importorskip("triton")
+    if _triton_env() is None:
+        pytest.skip(f"no triton here, and {interpreter_run.unavailable()}")
     rows = {r["case"]: r for r in _smoke_rows(smokes, "steady_rows_cost.py")}
     assert set(rows) == {"b4_smoke", "b4_fp8_w64_smoke"}
     for r in rows.values():
