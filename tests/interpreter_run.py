@@ -53,6 +53,17 @@ def unavailable() -> str | None:
     return None
 
 
+def importorskip_triton() -> None:
+    """At a module's top: pytest.importorskip("triton"), its reason naming where the suite runs the module."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no triton in the suite's own process: scripts/test.sh runs this module beside it, with triton "
+                    f"(tests/interpreter_run.py; its results: tests/{MODULE})", allow_module_level=True)
+
+
 def module_of(test: str) -> str:
     return test.split("::", 1)[0].rsplit("/", 1)[-1]
 

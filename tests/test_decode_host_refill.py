@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import interpreter_run
+
+interpreter_run.importorskip_triton()
 
 from cpattn.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from cpattn.cluster.decode_graphs import DecodeGraphs  # noqa: E402

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import interpreter_run
+
+interpreter_run.importorskip_triton()
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton interpreter on the CPU: set TRITON_INTERPRET=1 on a machine without CUDA",
                 allow_module_level=True)
