@@ -1,4 +1,4 @@
-"""The TRITON kernels' CPU tests (Triton's interpreter) in a pytest process of their own, at nice 19, beside the suite.
+"""The TRITON kernels' CPU tests (Triton's interpreter) in a pytest process of their own, beside the suite.
 
 Those tests need triton and TRITON_INTERPRET=1, which the suite's own process must not have (it is the CPU machine a
 user has: no triton). scripts/setup.sh installs triton into .venv/triton-interpret, and this runs INTERPRETER_TESTS
@@ -6,8 +6,9 @@ there: that directory on PYTHONPATH, TRITON_INTERPRET=1, one JUnit XML. It is pu
 2-core box, no Ray), so it runs from the session's start under SCHED_IDLE (and nice 19): it takes what the suite
 leaves idle (a service start's waits, a lease or a timeout running out) and yields the CPU to everything else at
 once, so no time bound of the suite's is touched. tests/test_triton_interpreter_run.py asserts its results, one test
-per module, last in the session (conftest.py), so the run has the whole suite to finish in. Cost measured on CI's
-kind of box (2026-12-07): 489 s beside the suite at nice 19 (~170 s alone), the suite 1-2 minutes longer.
+per module, last in the session (conftest.py), so the run has the whole suite to finish in. Measured on CI's kind
+of box (2026-12-07): at nice 19 alone, 489 s beside the suite and the suite 1-2 minutes longer; under SCHED_IDLE,
+530 s beside it and the suite 15m09s in pytest, within its spread without it (14m41s-16m00s).
 
 Run alone (`pytest tests/test_triton_interpreter_run.py`, xdist, CPATTN_TEST_BACKGROUND=0), the fixture runs it
 in the foreground. Without .venv/triton-interpret (not Linux x86_64, a CUDA torch), its tests skip and say why.
@@ -39,7 +40,7 @@ INTERPRETER_TESTS = (
     "tests/test_prefill_backend.py::test_triton_and_torch_paired_in_the_interpreter",
 )
 NICE = 19
-TIMEOUT_S = 1500   # alone it takes ~3 minutes; at nice 19 beside a busy suite it gets less than a core
+TIMEOUT_S = 1500   # alone it takes ~3 minutes; beside a busy suite it gets what the suite leaves idle
 
 
 def unavailable() -> str | None:
