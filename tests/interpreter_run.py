@@ -73,7 +73,7 @@ class InterpreterRun:
     """One pytest process over INTERPRETER_TESTS: started once, waited for, its JUnit cases by module."""
 
     def __init__(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="cpattn-interpret-"))
+        self._dir: Path | None = None   # made at start (every session imports this module)
         self._proc: subprocess.Popen | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -83,6 +83,7 @@ class InterpreterRun:
 
     def start(self, nice: int = NICE) -> None:
         self.nice = nice
+        self._dir = Path(tempfile.mkdtemp(prefix="cpattn-interpret-"))
         env = dict(os.environ, TRITON_INTERPRET="1", CPATTN_TEST_BACKGROUND="0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH"))
                                             if p)
@@ -145,8 +146,8 @@ class InterpreterRun:
         return by_module
 
     def output_tail(self, chars: int = 3000) -> str:
-        path = self._dir / "output.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no output)"
+        path = None if self._dir is None else self._dir / "output.log"
+        return path.read_text(errors="replace")[-chars:] if path is not None and path.exists() else "(no output)"
 
     def summary(self) -> str | None:
         """One line for the terminal summary, once it ran."""
@@ -161,7 +162,8 @@ class InterpreterRun:
         self.stop()
         if self._thread is not None:
             self._thread.join(TIMEOUT_S + 60)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 SESSION = InterpreterRun()
