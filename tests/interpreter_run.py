@@ -54,6 +54,13 @@ def unavailable() -> str | None:
     return None
 
 
+def triton_env() -> dict:
+    """This process's environment with the triton set aside first on the path (then the checkout) and
+    TRITON_INTERPRET=1: what a process that runs the TRITON kernels on the CPU needs."""
+    path = os.pathsep.join(p for p in (str(TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
+
+
 def importorskip_triton() -> None:
     """At a module's top: pytest.importorskip("triton"), its reason naming where the suite runs the module."""
     import importlib.util
@@ -84,9 +91,7 @@ class InterpreterRun:
     def start(self, nice: int = NICE) -> None:
         self.nice = nice
         self._dir = Path(tempfile.mkdtemp(prefix="cpattn-interpret-"))
-        env = dict(os.environ, TRITON_INTERPRET="1", CPATTN_TEST_BACKGROUND="0")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH"))
-                                            if p)
+        env = dict(triton_env(), CPATTN_TEST_BACKGROUND="0")
         argv = ["nice", "-n", str(nice), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                 "-o", "addopts=", f"--junitxml={self._dir / 'junit.xml'}", *INTERPRETER_TESTS]
         out = open(self._dir / "output.log", "w")

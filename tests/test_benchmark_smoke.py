@@ -36,10 +36,7 @@ def _triton_env() -> dict | None:
     scripts/test.sh's setup put aside (tests/interpreter_run.py) on its path; None: no triton here."""
     if importlib.util.find_spec("triton") is not None:
         return dict(os.environ)
-    if interpreter_run.unavailable() is not None:
-        return None
-    path = os.pathsep.join(p for p in (str(interpreter_run.TRITON_DIR), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1")
+    return None if interpreter_run.unavailable() is not None else interpreter_run.triton_env()
 
 
 def _run_smokes(scenario) -> dict:
