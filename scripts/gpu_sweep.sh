@@ -11,8 +11,12 @@
 # 0 (parts skipped for time are listed).
 # $OUT gets three files whatever the number of parts (a device call brings back at most 8): sweep_summary.md (the
 # table), sweep.json (each part's counts and cases, failure messages included) and sweep_tails.log (each part's
-# last lines: pytest's short summary of what failed and why). Each part's whole log and JUnit XML stay in
-# $SWEEP_RAW (default /tmp/gpu_sweep_raw).
+# last lines: pytest's short summary of what failed and why). Each part's whole log, JUnit XML and case log stay
+# in $SWEEP_RAW (default /tmp/gpu_sweep_raw).
+# Cut parts: each case is logged as it ends (tests/case_log.py), so a part cut at the budget still reports its
+# counts, each case's time and the case it was cut in. RESUME_FROM=an earlier sweep.json (one brought back from a
+# device call, e.g. under benchmarks/results/) runs again only what did not pass there: how a part longer than one
+# call gets done call by call (FlashInfer's on a fresh H100 on 2026-12-07: two calls of 550 s, both cut).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu_sweep}
@@ -42,14 +46,24 @@ for part in "${parts[@]}"; do
     continue
   fi
   start=$(date +%s)
-  rm -f "$raw/sweep_$part.xml" "$raw/sweep_$part.json"   # a part cut before its report must not read an old one
+  cases="$raw/sweep_$part.cases.jsonl"
+  # a part cut before its report must not read an old one
+  rm -f "$raw/sweep_$part.xml" "$raw/sweep_$part.json" "$cases"
+  done_before=()
+  [ -n "${RESUME_FROM:-}" ] && mapfile -t done_before < <("$py" - "$RESUME_FROM" "$part" <<'EOF'
+import json, sys
+part = json.load(open(sys.argv[1])).get(sys.argv[2], {})
+print("\n".join(f"--deselect={c['name']}" for c in part.get("cases", []) if c["outcome"] == "passed"
+                and "::" in c["name"] and "/" in c["name"]))   # node ids (a case log's), not JUnit's class names
+EOF
+)
   # -k: Ray's driver turns SIGTERM into SystemExit, which a main thread blocked in a CUDA or Ray call never
   # raises (session 29: a prefill part ran on past its cut to the device call's limit, taking the sweep's report).
-  timeout -k 10 "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" "${extra[@]}" \
-    > "$raw/sweep_$part.log" 2>&1
+  CPATTN_CASE_LOG="$cases" timeout -k 10 "$left" bash scripts/test_gpu.sh "$part" --junitxml="$raw/sweep_$part.xml" \
+    ${done_before[@]+"${done_before[@]}"} "${extra[@]}" > "$raw/sweep_$part.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
-  "$py" benchmarks/junit_json.py "$raw/sweep_$part.xml" "$raw/sweep_$part.json"
+  "$py" benchmarks/junit_json.py "$raw/sweep_$part.xml" "$raw/sweep_$part.json" "$cases"
   { echo "== $part (rc $rc, ${took} s)"; tail -n 30 "$raw/sweep_$part.log"; } >> "$out/sweep_tails.log"
   row=$("$py" - "$raw/sweep_$part.json" "$out/sweep.json" "$part" <<'EOF'
 import json, os, sys
@@ -65,8 +79,10 @@ else:
 EOF
 )
   note="rc $rc"
-  [ "$rc" = 124 ] && note="cut at the budget"
+  [ "$rc" = 124 ] && note="cut at the budget in $("$py" -c 'import json, sys
+print(", ".join(json.load(open(sys.argv[1])).get("cut_in", [])) or "no case")' "$raw/sweep_$part.json")"
   [ "$rc" = 5 ] && note="nothing ran (no CUDA, or -k chose none): $(tail -1 "$raw/sweep_$part.log")"
+  [ ${#done_before[@]} -gt 0 ] && note+="; ${#done_before[@]} cases passed before (RESUME_FROM), not run again"
   { [ "$rc" != 0 ] && [ "$rc" != 5 ]; } && failed=1   # 5: pytest collected nothing (filtered out)
   table+="| $part | $row $took | $note |\n"
   echo "gpu_sweep: $part rc=$rc in ${took} s"; tail -1 "$raw/sweep_$part.log"

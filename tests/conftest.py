@@ -10,6 +10,7 @@ import pytest
 import background_fixtures
 import interpreter_run
 import suite_lanes
+from case_log import pytest_runtest_logreport, pytest_runtest_logstart  # noqa: F401 (hooks: CPATTN_CASE_LOG)
 
 
 def pytest_configure(config):
