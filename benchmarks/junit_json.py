@@ -63,7 +63,7 @@ def from_case_log(log_path: str) -> dict:
     result = dict(tests=len(ended), failures=count("failure"), errors=count("error"), skipped=count("skipped"),
                   cases=ended)
     if cut:
-        result["cut_in"] = cut   # one case a process (a sweep's lanes share the log)
+        result["cut_in"] = cut   # the case each killed process was in
     return result
 
 

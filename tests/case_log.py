@@ -10,12 +10,14 @@ import json
 import os
 
 ENV = "CPATTN_CASE_LOG"
+# Taken out of the environment when pytest loads this: a test that starts a pytest of its own must not log that
+# run's cases as the part's.
+PATH = os.environ.pop(ENV, None)
 
 
 def _write(record: dict) -> None:
-    path = os.environ.get(ENV)
-    if path:
-        with open(path, "a") as f:   # one write per line: lanes of one sweep may share the file
+    if PATH:
+        with open(PATH, "a") as f:   # one write a line
             f.write(json.dumps(record) + "\n")
 
 
