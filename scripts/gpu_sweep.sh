@@ -65,10 +65,15 @@ EOF
   took=$(( $(date +%s) - start ))
   "$py" benchmarks/junit_json.py "$raw/sweep_$part.xml" "$raw/sweep_$part.json" "$cases"
   { echo "== $part (rc $rc, ${took} s)"; tail -n 30 "$raw/sweep_$part.log"; } >> "$out/sweep_tails.log"
-  row=$("$py" - "$raw/sweep_$part.json" "$out/sweep.json" "$part" <<'EOF'
+  row=$("$py" - "$raw/sweep_$part.json" "$out/sweep.json" "$part" "${RESUME_FROM:-}" <<'EOF'
 import json, os, sys
 s = json.load(open(sys.argv[1]))
 combined = json.load(open(sys.argv[2])) if os.path.exists(sys.argv[2]) else {}
+if sys.argv[4] and "cases" in s:   # what passed before stays listed (marked), so a third call resumes from this one
+    ran = {c["name"] for c in s["cases"]}
+    before = json.load(open(sys.argv[4])).get(sys.argv[3], {}).get("cases", [])
+    s["cases"] += [dict(c, earlier=True) for c in before
+                   if c["outcome"] == "passed" and "/" in c["name"] and c["name"] not in ran]
 combined[sys.argv[3]] = s
 json.dump(combined, open(sys.argv[2], "w"), indent=1)
 if "error" in s:

@@ -113,3 +113,5 @@ def test_resume_from_an_earlier_sweep_runs_again_only_what_did_not_pass(tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split("|")[1].strip(): line for line in (tmp_path / "sweep_summary.md").read_text().splitlines()[2:]}
     assert "2 cases passed before (RESUME_FROM), not run again" in rows["usergraph"], rows
+    cases = json.loads((tmp_path / "sweep.json").read_text())["usergraph"]["cases"]
+    assert [(c["name"], c.get("earlier")) for c in cases] == [(n, True) for n in passed]   # a third call resumes here
