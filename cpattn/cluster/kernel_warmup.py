@@ -15,6 +15,8 @@ Each prefill runs short (two pages) and long (LONG_CHUNK tokens): kernels choose
 by shape, and each choice compiles once (on an H100, a warm-up of short shapes alone left FA4 2.3 s and TRITON
 3.1 s of compiling in the first 512-token steps). Each runs on one layer of every distinct (window, soft cap)
 pair, since a kernel variant is compiled per pair.
+Before them, a backend that compiles one module per variant (FlashInfer: one per wrapper, soft cap, window and
+mask) has every module it can plan built side by side, instead of one after another inside the steps' plans.
 The scratch cache is a few pages, shared by those layers, and is dropped on return: the shard's own cache and its
 fp8 scales are never touched.
 """
@@ -22,7 +24,9 @@ fp8 scales are never touched.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +39,9 @@ from cpattn.kvstore.sharded_allocator import ShardedKVAllocator
 
 logger = logging.getLogger("cpattn")
 
+# Builds at once: a FlashInfer prefill module is 4-8 nvcc jobs (ninja runs a module's files in parallel already) of
+# a few GB each, so more builds than cores / 8 only contend for the CPU, and for memory.
+COMPILE_WORKERS = max(1, (os.cpu_count() or 1) // 8)
 LONG_CHUNK = 512   # tokens of the long prefills: several kernel tiles, and query groups of a context pass at their largest
 
 _warmed: set[tuple] = set()
@@ -55,6 +62,7 @@ def warm_up_kernels(config: ServiceConfig, backend_cls, prefill_backend_cls, dev
     t0 = time.perf_counter()
     short, long = 2 * config.block_size, max(LONG_CHUNK, 2 * config.block_size)
     runner, allocator = _scratch(config, backend_cls, prefill_backend_cls, device, 2 * short + 2 * long + 2)
+    _compile_side_by_side(runner, config.num_shards > 1, who)
     rows = [allocator.add_rows(), allocator.add_rows()]
     lengths = [0, 0]
     gen = torch.Generator().manual_seed(0)
@@ -70,6 +78,28 @@ def warm_up_kernels(config: ServiceConfig, backend_cls, prefill_backend_cls, dev
     seconds = time.perf_counter() - t0
     logger.info("%s: kernels warmed on %s in %.1f s (%s)", who, device, seconds, _name(runner, "decode"))
     return seconds
+
+
+def _compile_side_by_side(runner: ShardLayerRunner, sharded: bool, who: str) -> None:
+    """The modules a backend compiles per variant on first use (FlashInfer's ``jit_variants``), built at once in
+    threads (each build is nvcc in subprocesses), at most COMPILE_WORKERS at a time, before the steps below plan
+    them one after another. A call that fails is only logged: the steps then plan that variant again, and a
+    failure there is the ServiceError that names it."""
+    calls = []
+    for r, prefill in ((runner, runner.prefill_runner is None), (runner.prefill_runner, True)):
+        variants = getattr(r.builder, "jit_variants", None) if r is not None else None
+        calls += variants(prefill, sharded) if variants is not None else []
+    if not calls:
+        return
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(min(COMPILE_WORKERS, len(calls)), thread_name_prefix="cpattn-jit") as pool:
+        futures = [pool.submit(call) for call in calls]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    for exc in failed:
+        logger.warning("%s: compiling a kernel variant ahead failed (the warm-up's steps try it again): %s: %s",
+                       who, type(exc).__name__, exc)
+    logger.info("%s: %d kernel variants compiled side by side in %.1f s", who, len(calls) - len(failed),
+                time.perf_counter() - t0)
 
 
 def _run_layers(runner: ShardLayerRunner, planned, config: ServiceConfig, t: int, gen: torch.Generator,

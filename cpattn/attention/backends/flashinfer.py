@@ -23,6 +23,7 @@ flashinfer is imported lazily: the module imports on machines without it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -181,6 +182,40 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         identity = token_order.numel() == common.num_actual_tokens and bool(
             (token_order == torch.arange(token_order.numel())).all())
         return split, active[split.request_order], token_order, identity
+
+    def jit_variants(self, prefill: bool = True, sharded: bool = True) -> list:
+        """One call per FlashInfer module a step of this spec can plan, each planning it once on a one-page request.
+        FlashInfer JIT-compiles a module per variant on its first plan (on a fresh node: a prefill module 65-90 s, a
+        decode one 10-14 s), so a first step compiles its variants one after another; kernel_warmup runs these calls
+        side by side first. A module is (wrapper, soft cap, window on or off, custom mask or not): a windowed layer
+        plans without window_left where its window starts on a page boundary, and with a custom mask where no
+        window_left fits (flashinfer_windows: only a DCP shard's chunks, so only when ``sharded``), so it may use all
+        of them. ``prefill=False``: a decode backend beside another prefill backend plans decodes only (layer_runner)."""
+        variants = set()
+        for cap, window in self._pairs():
+            lefts = (-1,) if window is None else (-1, window - 1)
+            variants |= {("decode", cap, left, False) for left in lefts}
+            if prefill:
+                variants |= {("prefill", cap, left, False) for left in lefts}
+                variants |= {("prefill", cap, -1, True)} if window is not None and sharded else set()
+        return [functools.partial(self._plan_once, *v) for v in sorted(variants, key=repr)]
+
+    def _plan_once(self, kind: str, cap, left: int, masked: bool) -> None:
+        """Plans one variant on fresh wrappers and a workspace of their own (the calls run side by side)."""
+        import flashinfer
+
+        spec, dev = self.spec, torch.device(self.spec.device)
+        ints = lambda *x: torch.tensor(x, dtype=torch.int32, device=dev)
+        workspace = torch.zeros(WORKSPACE_BYTES // 8, dtype=torch.uint8, device=dev)   # one page: a few KiB used
+        geometry = (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        kwargs = dict(self._kwargs(cap), window_left=left)
+        if kind == "decode":
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD").plan(
+                ints(0, 1), ints(0), ints(1), *geometry, **kwargs)
+        else:
+            mask = dict(packed_custom_mask=torch.ones(1, dtype=torch.uint8, device=dev)) if masked else {}
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD").plan(
+                ints(0, 1), ints(0, 1), ints(0), ints(1), *geometry, causal=not masked, **kwargs, **mask)
 
     def _kwargs(self, cap) -> dict:
         spec = self.spec
