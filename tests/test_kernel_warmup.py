@@ -6,8 +6,10 @@ tests/gpu/test_kernel_warmup_gpu.py.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from cpattn.config import ServiceConfig
 from cpattn.errors import ServiceError
 from tests.test_flashinfer_plumbing import _Wrapper, flashinfer_model  # noqa: F401 (a fixture)
 
+ROOT = Path(__file__).resolve().parents[1]
 CALLS: list[tuple] = []
 
 
@@ -194,3 +197,16 @@ def test_variants_compile_at_once_and_one_that_fails_is_logged_not_raised(planne
         assert warm_up_kernels(_config(num_layers=1, block_size=16), backend, backend, torch.device("cpu")) > 0
     assert "compiling a kernel variant ahead failed (the warm-up's steps try it again): RuntimeError: nvcc: out " \
            "of memory" in caplog.text and "2 kernel variants compiled side by side" in caplog.text
+
+
+def test_the_jit_ahead_benchmark_runs_as_printed_on_a_model(planned_modules, tmp_path, monkeypatch):
+    """benchmarks/flashinfer_jit_ahead.py (timed on the GPU) on the CPU model: a script broken here would cost a
+    device session's minutes."""
+    import runpy
+
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))   # the script sets it; restored after
+    script = runpy.run_path(str(ROOT / "benchmarks" / "flashinfer_jit_ahead.py"))
+    result = script["main"](["--device", "cpu", "--workers", "2", "--shards", "2", "--jit-dir", str(tmp_path),
+                             "--json", str(tmp_path / "out.json")])
+    assert json.loads((tmp_path / "out.json").read_text()) == result and result["workers"] == 2
+    assert any("5 kernel variants compiled side by side" in message for message, _ in result["log"]), result
