@@ -198,7 +198,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             if prefill:
                 variants |= {("prefill", cap, left, False) for left in lefts}
                 variants |= {("prefill", cap, -1, True)} if window is not None and sharded else set()
-        return [functools.partial(self._plan_once, *v) for v in sorted(variants, key=repr)]
+        # Prefill modules first: the longest builds started first end the pool soonest.
+        return [functools.partial(self._plan_once, *v) for v in sorted(variants, key=lambda v: (v[0], repr(v)),
+                                                                        reverse=True)]
 
     def _plan_once(self, kind: str, cap, left: int, masked: bool) -> None:
         """Plans one variant on fresh wrappers and a workspace of their own (the calls run side by side)."""
@@ -206,7 +208,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
         spec, dev = self.spec, torch.device(self.spec.device)
         ints = lambda *x: torch.tensor(x, dtype=torch.int32, device=dev)
-        workspace = torch.zeros(WORKSPACE_BYTES // 8, dtype=torch.uint8, device=dev)   # one page: a few KiB used
+        workspace = torch.zeros(WORKSPACE_BYTES // 8, dtype=torch.uint8, device=dev)   # a one-page plan needs little
         geometry = (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
         kwargs = dict(self._kwargs(cap), window_left=left)
         if kind == "decode":
